@@ -1,0 +1,1 @@
+"""Self-contained GDN ReplaySSM kernels and their torch references (imports torch and triton only)."""
