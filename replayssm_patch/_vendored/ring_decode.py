@@ -1,0 +1,461 @@
+"""Triton kernels of ReplaySSM decode for Gated DeltaNet (one token per row).
+
+Semantics: exactly those of `ring_reference.ring_decode_reference`, `ring_materialize_reference`
+and `ring_reset_reference` (read that module's docstring for the ring layout). This module
+imports only torch and triton.
+
+How a decode step works here (per row, per value head, per block of BV value channels):
+
+    one read of the checkpoint tile S_c[BV, K] gives  S_c q  and  S_c k  (two mat-vecs),
+    the ring adds the low-rank part:  S x = exp(G_n) (S_c x) + sum_{j<n} w_j d_j (k_j . x),
+    w_j = exp(G_n - G_j), for x in {q, k}: O(n (K + BV)) work, no state tile is rebuilt.
+    d = beta (v - alpha S k),   o = alpha S q + d (k . q)      (alpha = exp(g))
+    not full:  append (d, k, G_n + g) at entry n, cursor = n + 1
+    flush:     S_new = alpha (exp(G_n) S_c + D_w^T K) + d k^T from the tile already held,
+               written in the state dtype; cursor = 0.
+
+Grid: one program per (row, value head hv, value block), flattened to 1-D with the value
+block fastest, so the programs of one row and key head run next to each other (their q, k and
+ring k loads hit L2). Small batches use small value blocks (many programs, latency bound);
+large batches use whole-V tiles (fewer redundant q/k/ring-k loads per state byte).
+
+The cursor race. Every program of a row needs the row's cursor n, and the new cursor may only
+be written after all of them have read it. Triton has no grid-wide barrier, so the read itself
+is the synchronisation: each program reads the cursor with ONE atomic add of 1 << 16 (relaxed
+order is enough: only this one memory location is involved, and the atomic is the read).
+The low 16 bits hold n (unchanged until the end), the high bits count arrivals. The program
+that sees P - 1 earlier arrivals (P = programs per row) is the last reader; it writes the new
+cursor (arrival count cleared) with an atomic exchange. Between launches the cursor therefore
+holds the plain entry count n, as in the reference. This needs no second kernel, no scratch
+buffer and no host sync, and it is CUDA-graph safe. Racing reads of ring entries at position
+>= n (written by a sibling program in the same launch) are always masked out before use.
+Requirements: the valid rows of one launch name distinct slots (vLLM guarantees this), and
+cursor values stay below 2**16 (L <= 65535) with P <= 32767 programs per row.
+
+A cursor outside [0, L) (corrupt state) is clamped to L - 1 instead of reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ring_decode", "ring_materialize", "ring_reset", "pick_decode_config"]
+
+_TICKET_SHIFT = 16  # cursor = arrivals << 16 | n while a launch is in flight
+_SOFTPLUS_THRESHOLD = 20.0
+
+
+@triton.jit
+def _ring_decode_kernel(
+    qkv, a, b, A_log, dt_bias, out, state, idx,
+    ring_d, ring_k, ring_g, cursor, force_flush, start_empty,
+    scale,
+    stride_qkv, stride_a, stride_b, stride_idx, stride_ff, stride_se,
+    slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
+    HAS_FF: tl.constexpr, HAS_SE: tl.constexpr, L2NORM: tl.constexpr,
+    PREFETCH_RING: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_hv = (pid // NV) % HV
+    i_n = pid // (NV * HV)
+    GROUP: tl.constexpr = HV // H
+    P: tl.constexpr = HV * NV  # programs per row: all of them take one cursor ticket
+    i_h = i_hv // GROUP
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_l = tl.arange(0, LP)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_l = o_l < L
+    m_vk = m_v[:, None] & m_k[None, :]
+
+    p_out = out + (i_n.to(tl.int64) * HV + i_hv) * V + o_v
+    slot = tl.load(idx + i_n.to(tl.int64) * stride_idx).to(tl.int64)
+    if slot <= 0:
+        # NULL block (0) or padding (-1): zero output, touch nothing else.
+        tl.store(p_out, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=m_v)
+        return
+
+    # Everything that does not depend on the cursor is issued before the ticket, so the
+    # atomic's round trip overlaps the big checkpoint read.
+    p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
+    S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
+
+    p_x = qkv + i_n.to(tl.int64) * stride_qkv
+    q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    v = tl.load(p_x + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    a_t = tl.load(a + i_n.to(tl.int64) * stride_a + i_hv).to(tl.float32)
+    b_t = tl.load(b + i_n.to(tl.int64) * stride_b + i_hv).to(tl.float32)
+    A_t = tl.load(A_log + i_hv).to(tl.float32)
+    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    p_g = ring_g + slot * slot_stride_g + i_hv * L
+    Gr = tl.load(p_g + o_l, mask=m_l, other=0.0)
+    p_d = ring_d + slot * slot_stride_d + i_hv * (L * V) + o_l[:, None] * V + o_v[None, :]
+    p_k = ring_k + slot * slot_stride_k + i_h * (L * K) + o_l[:, None] * K + o_k[None, :]
+    if PREFETCH_RING:
+        # Latency-bound launches: read all L entries without waiting for the cursor.
+        rd = tl.load(p_d, mask=m_l[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        rk = tl.load(p_k, mask=m_l[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+    ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
+    n = ticket & 0xFFFF
+    arrivals = ticket >> 16
+    if HAS_SE:
+        if tl.load(start_empty + i_n.to(tl.int64) * stride_se) != 0:
+            n = n * 0
+    n = tl.minimum(n, L - 1)
+    live = o_l < n
+
+    if not PREFETCH_RING:
+        # Bandwidth-bound launches: read only the n committed entries.
+        rd = tl.load(p_d, mask=live[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        rk = tl.load(p_k, mask=live[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    # Entries at >= n may hold anything (stale, poison, a sibling's write): select, not scale.
+    rd = tl.where(live[:, None], rd, 0.0)
+    rk = tl.where(live[:, None], rk, 0.0)
+
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    q = q * scale
+    x = a_t + dtb
+    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+    g = -tl.exp(A_t) * softplus
+    alpha = tl.exp(g)
+    beta = 1.0 / (1.0 + tl.exp(-b_t))
+
+    G_n = tl.sum(tl.where(o_l == n - 1, Gr, 0.0))  # 0 when the ring is empty
+    w = tl.where(live, tl.exp(G_n - Gr), 0.0)
+    eG = tl.exp(G_n)
+    kq = tl.sum(rk * q[None, :], 1)  # [LP]: k_j . q
+    kk = tl.sum(rk * k[None, :], 1)  # [LP]: k_j . k
+    Sq = eG * tl.sum(S * q[None, :], 1) + tl.sum(rd * (w * kq)[:, None], 0)
+    Sk = eG * tl.sum(S * k[None, :], 1) + tl.sum(rd * (w * kk)[:, None], 0)
+
+    d = beta * (v - alpha * Sk)
+    o = alpha * Sq + d * tl.sum(k * q)
+    tl.store(p_out, o.to(out.dtype.element_ty), mask=m_v)
+
+    flush = n + 1 >= L
+    if HAS_FF:
+        flush = flush | (tl.load(force_flush + i_n.to(tl.int64) * stride_ff) != 0)
+    if flush:
+        # S_prev = exp(G_n) S_c + sum_j w_j d_j k_j^T on the tile we hold; fp32 FMA (ieee),
+        # never tf32 or a rounded low-precision operand.
+        dw = tl.trans(rd * w[:, None])  # [BV, LP]
+        S = tl.dot(dw, rk, acc=S * eG, input_precision="ieee")
+        S = alpha * S + d[:, None] * k[None, :]
+        tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
+        new_n = n * 0
+    else:
+        p_dn = ring_d + slot * slot_stride_d + i_hv * (L * V) + n * V + o_v
+        tl.store(p_dn, d.to(ring_d.dtype.element_ty), mask=m_v)
+        if i_v == 0:
+            tl.store(p_g + n, G_n + g)
+            if i_hv % GROUP == 0:
+                p_kn = ring_k + slot * slot_stride_k + i_h * (L * K) + n * K + o_k
+                tl.store(p_kn, k.to(ring_k.dtype.element_ty), mask=m_k)
+        new_n = n + 1
+    if arrivals == P - 1:
+        # Last of the row's P programs to take a ticket: everyone has read n.
+        tl.atomic_xchg(cursor + slot, new_n, sem="relaxed")
+
+
+@triton.jit
+def _ring_materialize_kernel(
+    state, ring_d, ring_k, ring_g, cursor, slots, stride_slots,
+    slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_hv = (pid // NV) % HV
+    i_n = pid // (NV * HV)
+    GROUP: tl.constexpr = HV // H
+    P: tl.constexpr = HV * NV
+    i_h = i_hv // GROUP
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_l = tl.arange(0, LP)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_l = o_l < L
+    m_vk = m_v[:, None] & m_k[None, :]
+
+    slot = tl.load(slots + i_n.to(tl.int64) * stride_slots).to(tl.int64)
+    if slot <= 0:
+        return
+    p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
+    p_g = ring_g + slot * slot_stride_g + i_hv * L
+    p_d = ring_d + slot * slot_stride_d + i_hv * (L * V) + o_l[:, None] * V + o_v[None, :]
+    p_k = ring_k + slot * slot_stride_k + i_h * (L * K) + o_l[:, None] * K + o_k[None, :]
+
+    ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
+    n = tl.minimum(ticket & 0xFFFF, L - 1)
+    arrivals = ticket >> 16
+    if n > 0:
+        live = o_l < n
+        S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
+        Gr = tl.load(p_g + o_l, mask=m_l, other=0.0)
+        rd = tl.load(p_d, mask=live[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        rk = tl.load(p_k, mask=live[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        rd = tl.where(live[:, None], rd, 0.0)
+        rk = tl.where(live[:, None], rk, 0.0)
+        G_n = tl.sum(tl.where(o_l == n - 1, Gr, 0.0))
+        w = tl.where(live, tl.exp(G_n - Gr), 0.0)
+        dw = tl.trans(rd * w[:, None])
+        S = tl.dot(dw, rk, acc=S * tl.exp(G_n), input_precision="ieee")
+        tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
+    # An empty ring leaves the checkpoint untouched (bit-identical).
+    if arrivals == P - 1:
+        tl.atomic_xchg(cursor + slot, 0, sem="relaxed")
+
+
+@triton.jit
+def _ring_reset_kernel(cursor, slots, n_slots, stride_slots, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(slots + offs.to(tl.int64) * stride_slots, mask=offs < n_slots, other=0).to(tl.int64)
+    tl.store(cursor + s, tl.zeros([BLOCK], dtype=tl.int32), mask=(offs < n_slots) & (s > 0))
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # the interpreter on CPU: any plausible value
+
+
+def _row_flags(flags: torch.Tensor | None, n: int, name: str, device) -> tuple[torch.Tensor | None, int]:
+    if flags is None:
+        return None, 0
+    if flags.ndim != 1 or flags.shape[0] < n:
+        raise ValueError(f"{name} must be 1-D with at least {n} entries (got {tuple(flags.shape)})")
+    if flags.device != device:
+        raise ValueError(f"{name} must be on {device} (got {flags.device})")
+    if flags.dtype == torch.bool:
+        flags = flags.view(torch.uint8)  # same bytes, a dtype every Triton build loads
+    return flags, flags.stride(0)
+
+
+def _slot_stride(t: torch.Tensor, name: str, inner: tuple[int, ...]) -> int:
+    """Slot stride of `t`; the dims after the slot dim must be contiguous (a page view is fine)."""
+    expect, acc = [], 1
+    for size in reversed(inner):
+        expect.append(acc)
+        acc *= size
+    expect = tuple(reversed(expect))
+    got = tuple(t.stride()[1:])
+    if any(sz > 1 and st != e for sz, st, e in zip(inner, got, expect)):
+        raise ValueError(f"{name} must be contiguous after its slot dim (strides {t.stride()})")
+    return t.stride(0)
+
+
+def _ring_geometry(state, ring_d, ring_k, ring_g, cursor):
+    if state.ndim != 4:
+        raise ValueError(f"state must be [slots, HV, V, K] (got {tuple(state.shape)})")
+    slots, HV, V, K = state.shape
+    L = ring_g.shape[-1]
+    if tuple(ring_d.shape) != (slots, HV, L, V):
+        raise ValueError(f"ring_d must have shape {(slots, HV, L, V)} (got {tuple(ring_d.shape)})")
+    if tuple(ring_g.shape) != (slots, HV, L):
+        raise ValueError(f"ring_g must have shape {(slots, HV, L)} (got {tuple(ring_g.shape)})")
+    if ring_k.ndim != 4 or ring_k.shape[0] != slots or tuple(ring_k.shape[2:]) != (L, K):
+        raise ValueError(f"ring_k must have shape ({slots}, H, {L}, {K}) (got {tuple(ring_k.shape)})")
+    H = ring_k.shape[1]
+    if H <= 0 or HV % H:
+        raise ValueError(f"value heads HV={HV} must be a multiple of ring_k's key heads H={H}")
+    if tuple(cursor.shape) != (slots,) or cursor.dtype != torch.int32:
+        raise ValueError(f"cursor must be int32 of shape ({slots},) (got {cursor.dtype} {tuple(cursor.shape)})")
+    if ring_g.dtype != torch.float32:
+        raise ValueError(f"ring_g must be float32 (got {ring_g.dtype})")
+    for name, t in (("state", state), ("ring_d", ring_d), ("ring_k", ring_k)):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be float32, bfloat16 or float16 (got {t.dtype})")
+    if not 2 <= L <= 0xFFFF:
+        raise ValueError(f"ring length L={L} must be in [2, 65535]")
+    if K < 16 or V < 16:
+        raise ValueError(f"head dims must be >= 16 (got K={K}, V={V})")
+    dev = state.device
+    for name, t in (("ring_d", ring_d), ("ring_k", ring_k), ("ring_g", ring_g), ("cursor", cursor)):
+        if t.device != dev:
+            raise ValueError(f"{name} must be on {dev} (got {t.device})")
+    strides = (
+        _slot_stride(state, "state", (HV, V, K)),
+        _slot_stride(ring_d, "ring_d", (HV, L, V)),
+        _slot_stride(ring_k, "ring_k", (H, L, K)),
+        _slot_stride(ring_g, "ring_g", (HV, L)),
+    )
+    if cursor.stride(0) != 1:
+        raise ValueError("cursor must be contiguous")
+    return H, HV, K, V, L, strides
+
+
+# Launch configurations, (BV, num_warps, prefetch_ring), chosen from the number of rows and
+# value heads. Measured on an H200 by benchmarks/kernel_decode.py (see its results file):
+#   * few (row, head) pairs: latency bound; many small programs (BV=16, 1 warp) fill the
+#     132 SMs and all ring entries are read without waiting for the cursor ticket.
+#   * many pairs: bandwidth bound; whole-V programs read each state byte once with the
+#     least redundant q/k/ring-k work, and only the n live ring entries are read.
+def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device) -> tuple[int, int, bool]:
+    """(BV, num_warps, prefetch_ring) for a decode launch of N rows."""
+    BK = triton.next_power_of_2(K)
+    bv_max = max(16, triton.next_power_of_2(V))
+    sms = _num_sms(torch.device(device))
+    pairs = N * HV
+    prefetch = pairs <= 4 * sms
+    BV = 16
+    for cand in (128, 64, 32, 16):
+        if cand <= bv_max and pairs * triton.cdiv(V, cand) >= 4 * sms:
+            BV = cand
+            break
+    BV = min(BV, bv_max)
+    num_warps = max(1, min(8, BV * BK // 4096))
+    return BV, num_warps, prefetch
+
+
+def ring_decode(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    state_indices: torch.Tensor,
+    ring_d: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_g: torch.Tensor,
+    cursor: torch.Tensor,
+    force_flush: torch.Tensor | None = None,
+    start_empty: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    *,
+    config: tuple[int, int, bool] | None = None,
+) -> torch.Tensor:
+    """One decode token per row through the replay ring (semantics of `ring_decode_reference`).
+
+    Writes `out` ([N, HV, V] or [N, 1, HV, V], contiguous) and updates state / rings / cursor in
+    place on the GPU: no host sync, nothing allocated, safe to capture in a CUDA graph.
+    `config` = (BV, num_warps, prefetch_ring) overrides the launch heuristic (benchmarks).
+    Returns `out` viewed as [N, HV, V].
+    """
+    H, HV, K, V, L, (ss, sd, sk, sg) = _ring_geometry(state, ring_d, ring_k, ring_g, cursor)
+    if mixed_qkv.ndim != 2 or mixed_qkv.stride(-1) != 1:
+        raise ValueError("mixed_qkv must be 2-D [N, 2*H*K + HV*V], contiguous in its last dim")
+    N = mixed_qkv.shape[0]
+    if mixed_qkv.shape[1] != 2 * H * K + HV * V:
+        raise ValueError(
+            f"mixed_qkv last dim {mixed_qkv.shape[1]} != 2*H*K + HV*V = {2 * H * K + HV * V} "
+            f"(H={H} from ring_k, HV={HV}, K={K}, V={V})"
+        )
+    for name, t in (("a", a), ("b", b)):
+        if t.ndim != 2 or t.shape[0] != N or t.shape[1] != HV or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be [N, HV] = [{N}, {HV}], contiguous in its last dim")
+    if A_log.numel() != HV or dt_bias.numel() != HV or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
+        raise ValueError(f"A_log and dt_bias must be contiguous with {HV} elements")
+    if state_indices.ndim != 1 or state_indices.shape[0] != N:
+        raise ValueError(f"state_indices must be 1-D of length {N}")
+    if not out.is_contiguous() or out.numel() != N * HV * V:
+        raise ValueError(f"out must be contiguous with N*HV*V = {N * HV * V} elements")
+    dev = state.device
+    for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log),
+                    ("dt_bias", dt_bias), ("out", out), ("state_indices", state_indices)):
+        if t.device != dev:
+            raise ValueError(f"{name} must be on {dev} (got {t.device})")
+    ff, s_ff = _row_flags(force_flush, N, "force_flush", dev)
+    se, s_se = _row_flags(start_empty, N, "start_empty", dev)
+    out3 = out.view(N, HV, V)
+    if N == 0:
+        return out3
+
+    BK = triton.next_power_of_2(K)
+    if config is None:
+        config = pick_decode_config(N, HV, K, V, state.dtype, dev)
+    BV, num_warps, prefetch = config
+    BV = min(BV, max(16, triton.next_power_of_2(V)))
+    NV = triton.cdiv(V, BV)
+    if HV * NV >= 1 << (31 - _TICKET_SHIFT):
+        raise ValueError(f"too many programs per row ({HV * NV}) for the cursor ticket")
+    LP = max(16, triton.next_power_of_2(L))
+
+    grid = (N * HV * NV,)
+    _ring_decode_kernel[grid](
+        mixed_qkv, a, b, A_log, dt_bias, out, state, state_indices,
+        ring_d, ring_k, ring_g, cursor,
+        ff if ff is not None else state_indices, se if se is not None else state_indices,
+        float(scale),
+        mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_ff, s_se,
+        ss, sd, sk, sg,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV,
+        HAS_FF=ff is not None, HAS_SE=se is not None, L2NORM=bool(use_qk_l2norm),
+        PREFETCH_RING=bool(prefetch),
+        num_warps=num_warps, num_stages=1,
+    )
+    return out3
+
+
+def ring_materialize(
+    state: torch.Tensor,
+    ring_d: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_g: torch.Tensor,
+    cursor: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Flush `slots` (entries <= 0 ignored): checkpoint = replayed state, cursor = 0.
+
+    A slot whose ring is empty keeps its checkpoint bit-identical. Graph safe, no host sync.
+    The valid entries of `slots` must be distinct.
+    """
+    H, HV, K, V, L, (ss, sd, sk, sg) = _ring_geometry(state, ring_d, ring_k, ring_g, cursor)
+    if slots.ndim != 1 or slots.device != state.device:
+        raise ValueError("slots must be a 1-D tensor on the state's device")
+    if slots.numel() == 0:
+        return
+    BK = triton.next_power_of_2(K)
+    BV = min(32, max(16, triton.next_power_of_2(V)))
+    NV = triton.cdiv(V, BV)
+    LP = max(16, triton.next_power_of_2(L))
+    if HV * NV >= 1 << (31 - _TICKET_SHIFT):
+        raise ValueError(f"too many programs per slot ({HV * NV}) for the cursor ticket")
+    grid = (slots.shape[0] * HV * NV,)
+    _ring_materialize_kernel[grid](
+        state, ring_d, ring_k, ring_g, cursor, slots, slots.stride(0),
+        ss, sd, sk, sg,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV,
+        num_warps=max(1, BV * BK // 4096), num_stages=1,
+    )
+
+
+def ring_reset(cursor: torch.Tensor, slots: torch.Tensor) -> None:
+    """Mark `slots` empty (entries <= 0 ignored); checkpoints untouched. Graph safe."""
+    if cursor.ndim != 1 or cursor.dtype != torch.int32 or cursor.stride(0) != 1:
+        raise ValueError("cursor must be a contiguous 1-D int32 tensor")
+    if slots.ndim != 1 or slots.device != cursor.device:
+        raise ValueError("slots must be a 1-D tensor on the cursor's device")
+    n = slots.shape[0]
+    if n == 0:
+        return
+    BLOCK = 128
+    _ring_reset_kernel[(triton.cdiv(n, BLOCK),)](cursor, slots, n, slots.stride(0), BLOCK=BLOCK, num_warps=4)
