@@ -1,0 +1,294 @@
+"""The Triton ring kernels under TRITON_INTERPRET=1 on the CPU, against the torch reference.
+
+TRITON_INTERPRET must be set before triton is first imported, and another test module of the
+same pytest process may already have imported triton. So the checks run in ONE fresh Python
+subprocess (this file executed as a script, environment set at its top); it prints one JSON
+line per case, and each pytest test below asserts its case's line. Skips cleanly when triton
+(or torch) is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # the subprocess: interpret mode before anything imports triton
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib.util
+import json
+import subprocess
+import traceback
+
+import pytest
+
+_HAVE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
+
+
+# --------------------------------------------------------------------------------------------
+# The checks (run inside the subprocess only)
+# --------------------------------------------------------------------------------------------
+
+def _rel(x, ref):
+    import torch
+
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _make_rings(torch, slots, H, HV, K, V, L, rdt, gen, cursor_init):
+    """Random ring contents (any content is a valid ring) and NaN past each slot's cursor."""
+    rd = torch.randn(slots, HV, L, V, generator=gen).to(rdt) * 0.3
+    rk = torch.nn.functional.normalize(torch.randn(slots, H, L, K, generator=gen), dim=-1).to(rdt)
+    rg = torch.cumsum(-torch.rand(slots, HV, L, generator=gen) * 0.2, dim=-1)
+    cur = cursor_init.to(torch.int32)
+    for s in range(slots):
+        n = int(cur[s])
+        rd[s, :, n:] = float("nan")
+        rk[s, :, n:] = float("nan")
+        rg[s, :, n:] = float("nan")
+    return rd, rk, rg, cur
+
+
+def _run_cycles(
+    *, H, HV, K, V, L, sdt, rdt, adt, steps, config=None, seed=0, strided=False,
+    use_force=False, use_start_empty=False, out4=False, l2norm=True, tol_out, tol_state,
+):
+    import torch
+
+    from replayssm_patch._vendored.ring_decode import ring_decode
+    from replayssm_patch._vendored.ring_reference import ring_decode_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    slots = 2 * L + 3
+    # Row r -> slot; rows with slot 0 (NULL) and -1 (padding) are in the batch too.
+    real = list(range(1, L + 2))
+    idx = torch.tensor(real[:2] + [0] + real[2:] + [-1], dtype=torch.int32)
+    N = idx.numel()
+    if strided:  # state and rings live in a bigger page per slot, after some other bytes
+        pad = 37
+        page = torch.randn(slots, pad + HV * V * K + 11, generator=gen).to(sdt)
+        state = page[:, pad:pad + HV * V * K].view(slots, HV, V, K)
+        page_ref_outside = [page[:, :pad].clone(), page[:, pad + HV * V * K:].clone()]
+    else:
+        state = torch.randn(slots, HV, V, K, generator=gen).to(sdt)
+    state.mul_(0.2)
+    cursor0 = torch.arange(slots) % L  # every cursor position appears among the rows
+    rd, rk, rg, cur = _make_rings(torch, slots, H, HV, K, V, L, rdt, gen, cursor0)
+    if strided:
+        dpage = torch.full((slots, HV * L * V + 5), float("nan")).to(rdt)
+        rd_view = dpage[:, 3:3 + HV * L * V].view(slots, HV, L, V)
+        rd_view.copy_(rd)
+        rd = rd_view
+    A_log = torch.randn(HV, generator=gen) * 0.5
+    dt_bias = torch.randn(HV, generator=gen) * 0.5
+    mine = [state, rd, rk, rg, cur]
+    ref = [t.clone() for t in mine]
+    worst_out = worst_state = 0.0
+    seen_cursors = set()
+    for step in range(steps):
+        qkv = torch.randn(N, 2 * H * K + HV * V, generator=gen).to(adt)
+        a = torch.randn(N, HV, generator=gen).to(adt)
+        b = torch.randn(N, HV, generator=gen).to(adt)
+        ff = (torch.rand(N, generator=gen) < 0.2) if use_force else None
+        se = (torch.rand(N, generator=gen) < 0.15) if use_start_empty else None
+        shape = (N, 1, HV, V) if out4 else (N, HV, V)
+        o_mine = torch.full(shape, float("nan"), dtype=adt)
+        o_ref = torch.full(shape, float("nan"), dtype=adt)
+        seen_cursors.update(int(c) for c in cur[idx[idx > 0].long()])
+        ring_decode(qkv, a, b, A_log, dt_bias, K ** -0.5, mine[0], o_mine, idx, *mine[1:], ff, se,
+                    l2norm, config=config)
+        ring_decode_reference(qkv, a, b, A_log, dt_bias, K ** -0.5, ref[0], o_ref, idx, *ref[1:], ff, se,
+                              l2norm)
+        assert not torch.isnan(o_mine).any(), f"step {step}: NaN in the output (unwritten?)"
+        o3 = o_mine.view(N, HV, V)
+        assert (o3[idx <= 0] == 0).all(), "null/padded rows must get a zero output"
+        assert torch.equal(mine[4], ref[4]), f"step {step}: cursor {mine[4].tolist()} != {ref[4].tolist()}"
+        worst_out = max(worst_out, _rel(o_mine, o_ref))
+        worst_state = max(worst_state, _rel(mine[0], ref[0]))
+        # Ring entries below each cursor must match; rows never touched keep their poison.
+        for s in range(slots):
+            n = int(mine[4][s])
+            if n:
+                for t_m, t_r in zip(mine[1:4], ref[1:4]):
+                    r = _rel(t_m[s, :, :n], t_r[s, :, :n])
+                    tol = tol_state if t_m.dtype == torch.float32 else max(tol_state, 1e-2)
+                    assert r < tol, f"step {step} slot {s}: ring ({t_m.dtype}) mismatch {r}"
+        assert worst_out < tol_out, f"step {step}: output rel err {worst_out} >= {tol_out}"
+        assert worst_state < tol_state, f"step {step}: state rel err {worst_state} >= {tol_state}"
+    untouched = [s for s in range(slots) if s not in set(idx.tolist())]
+    for s in untouched:
+        assert torch.equal(mine[0][s], ref[0][s]) and int(mine[4][s]) == int(ref[4][s])
+    if strided:
+        assert torch.equal(page[:, :pad], page_ref_outside[0])
+        assert torch.equal(page[:, pad + HV * V * K:], page_ref_outside[1])
+        assert torch.isnan(dpage[:, :3].float()).all() and torch.isnan(dpage[:, -2:].float()).all()
+    assert seen_cursors == set(range(L)), f"cursor positions seen {sorted(seen_cursors)}"
+    return {"out_rel": worst_out, "state_rel": worst_state}
+
+
+def case_fp32_gqa2_blocks():
+    import torch
+
+    # V=32 in two value blocks of 16 (P = HV*2 tickets per row), all ring entries prefetched.
+    return _run_cycles(H=2, HV=4, K=32, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
+                       adt=torch.float32, steps=9, config=(16, 1, True), tol_out=1e-5, tol_state=1e-5)
+
+
+def case_fp32_masked_ring_force_flush_start_empty():
+    import torch
+
+    return _run_cycles(H=1, HV=3, K=16, V=32, L=5, sdt=torch.float32, rdt=torch.float32,
+                       adt=torch.float32, steps=11, config=(32, 1, False), use_force=True,
+                       use_start_empty=True, seed=1, tol_out=1e-5, tol_state=1e-5)
+
+
+def case_bf16_state_bf16_ring_gqa8_out4():
+    import torch
+
+    return _run_cycles(H=1, HV=8, K=16, V=16, L=3, sdt=torch.bfloat16, rdt=torch.bfloat16,
+                       adt=torch.bfloat16, steps=6, use_force=True, out4=True, seed=2,
+                       tol_out=2e-2, tol_state=2e-2)
+
+
+def case_fp16_state_strided_k64():
+    import torch
+
+    return _run_cycles(H=2, HV=2, K=64, V=64, L=3, sdt=torch.float16, rdt=torch.float16,
+                       adt=torch.float16, steps=4, strided=True, seed=3, config=(32, 1, False),
+                       tol_out=5e-3, tol_state=5e-3)
+
+
+def case_fp32_no_l2norm_default_config():
+    import torch
+
+    # A bf16 ring: a d entry that lands on a rounding boundary may round one ulp apart in the
+    # two implementations (their fp32 sums differ in order), so later steps differ by ~1e-3.
+    return _run_cycles(H=2, HV=2, K=16, V=16, L=2, sdt=torch.float32, rdt=torch.bfloat16,
+                       adt=torch.float32, steps=4, l2norm=False, seed=4,
+                       tol_out=1e-2, tol_state=1e-2)
+
+
+def case_materialize_reset():
+    import torch
+
+    from replayssm_patch._vendored.ring_decode import ring_materialize, ring_reset
+    from replayssm_patch._vendored.ring_reference import ring_materialize_reference, ring_reset_reference
+
+    gen = torch.Generator().manual_seed(5)
+    H, HV, K, V, L, slots = 2, 4, 32, 32, 5, 8
+    res = {}
+    for sdt in (torch.float32, torch.bfloat16):
+        state = (torch.randn(slots, HV, V, K, generator=gen) * 0.2).to(sdt)
+        cursor0 = torch.tensor([3, 0, 4, 2, 0, 1, 3, 4])
+        rd, rk, rg, cur = _make_rings(torch, slots, H, HV, K, V, L, torch.bfloat16, gen, cursor0)
+        mine = [state, rd, rk, rg, cur]
+        ref = [t.clone() for t in mine]
+        before = state.clone()
+        sel = torch.tensor([2, 0, 1, -1, 4, 6], dtype=torch.int64)  # 1 and 4: empty rings
+        ring_materialize(*mine, sel)
+        ring_materialize_reference(*ref, sel)
+        assert torch.equal(mine[4], ref[4]), (mine[4].tolist(), ref[4].tolist())
+        for s in (1, 4):  # empty ring: checkpoint bit-identical
+            assert torch.equal(mine[0][s], before[s]), "empty ring changed the checkpoint"
+        for s in (0, 3, 5, 7):  # not selected: untouched
+            assert torch.equal(mine[0][s], ref[0][s]) and int(mine[4][s]) == int(cursor0[s])
+        r = _rel(mine[0], ref[0])
+        assert r < (1e-6 if sdt == torch.float32 else 1e-2), r
+        res[str(sdt)] = r
+        ring_reset(mine[4], torch.tensor([3, -1, 0, 7], dtype=torch.int32))
+        ring_reset_reference(ref[4], torch.tensor([3, -1, 0, 7], dtype=torch.int32))
+        assert torch.equal(mine[4], ref[4])
+        assert int(mine[4][0]) == int(cursor0[0]), "slot 0 must never be touched"
+    return res
+
+
+def case_rejects_bad_inputs():
+    import torch
+
+    from replayssm_patch._vendored.ring_decode import ring_decode
+
+    H, HV, K, V, L, slots, N = 1, 2, 16, 16, 4, 3, 2
+    args = dict(
+        mixed_qkv=torch.randn(N, 2 * H * K + HV * V), a=torch.randn(N, HV), b=torch.randn(N, HV),
+        A_log=torch.zeros(HV), dt_bias=torch.zeros(HV), scale=0.25,
+        state=torch.zeros(slots, HV, V, K), out=torch.zeros(N, HV, V),
+        state_indices=torch.tensor([1, 2], dtype=torch.int32),
+        ring_d=torch.zeros(slots, HV, L, V), ring_k=torch.zeros(slots, H, L, K),
+        ring_g=torch.zeros(slots, HV, L), cursor=torch.zeros(slots, dtype=torch.int32),
+    )
+    bad = {
+        "cursor": torch.zeros(slots, dtype=torch.int64),
+        "ring_d": torch.zeros(slots, HV, L + 1, V),
+        "state": torch.zeros(slots, HV, K, V).transpose(2, 3),
+        "out": torch.zeros(N, V, HV).transpose(1, 2),
+        "mixed_qkv": torch.randn(N, 2 * H * K + HV * V + 1),
+    }
+    for name, t in bad.items():
+        try:
+            ring_decode(**{**args, name: t})
+        except ValueError:
+            continue
+        raise AssertionError(f"bad {name} was accepted")
+    return {}
+
+
+CASES = [
+    case_fp32_gqa2_blocks,
+    case_fp32_masked_ring_force_flush_start_empty,
+    case_bf16_state_bf16_ring_gqa8_out4,
+    case_fp16_state_strided_k64,
+    case_fp32_no_l2norm_default_config,
+    case_materialize_reset,
+    case_rejects_bad_inputs,
+]
+
+
+def _main() -> int:
+    import time
+
+    for case in CASES:
+        t0 = time.perf_counter()
+        try:
+            info = case()
+            rec = {"case": case.__name__, "ok": True, "info": info}
+        except Exception:  # reported to the parent, which fails that test
+            rec = {"case": case.__name__, "ok": False, "error": traceback.format_exc()}
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        print("RESULT " + json.dumps(rec), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# pytest side
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    if not _HAVE:
+        pytest.skip("torch and triton are needed for the interpreter tests")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+        timeout=600,
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            rec = json.loads(line[len("RESULT "):])
+            results[rec["case"]] = rec
+    if not results:
+        pytest.fail(f"interpreter subprocess produced no results (rc={proc.returncode}):\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.parametrize("case", [c.__name__ for c in CASES])
+def test_ring_kernel_interpreted(interpreter_results, case):
+    rec = interpreter_results.get(case)
+    assert rec is not None, f"{case} did not run"
+    assert rec["ok"], rec.get("error")
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
