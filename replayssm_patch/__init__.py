@@ -1,0 +1,63 @@
+"""ReplaySSM decode for the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 in released vLLM.
+
+    import replayssm_patch
+    replayssm_patch.patch()          # before the vLLM engine starts
+
+or set VLLM_GDN_REPLAYSSM=1 with the package installed (its vLLM plugin applies it in every
+vLLM process).
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import options as _options
+
+__version__ = "0.1.0"
+__all__ = ["patch", "unpatch", "status", "OptionError"]
+
+OptionError = _options.OptionError
+
+
+def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict: bool = False,
+          ring_dtype: str = "auto") -> dict:
+    """Turn ReplaySSM GDN decode on (or off) for this process and the vLLM processes it starts.
+
+    enable: True to serve decode through the ring, False to keep vLLM native.
+    ring_len: replay entries per cache slot, 1..64; the checkpoint is written once every
+        `ring_len` decode steps (default 16).
+    strict: raise instead of falling back to vLLM's native decode with a logged reason.
+    ring_dtype: "auto" (activation dtype) or "float32" for the ring's d/k entries.
+
+    Returns a report: whether it applied, what was patched, and every reason it did not.
+    """
+    if not isinstance(enable, bool):
+        raise OptionError(f"enable={enable!r} is not accepted; accepted values: True, False")
+    if not isinstance(strict, bool):
+        raise OptionError(f"strict={strict!r} is not accepted; accepted values: True, False")
+    opts = _options.Options(
+        enabled=enable,
+        ring_len=_options.check_ring_len("ring_len", ring_len),
+        strict=strict,
+        ring_dtype=_options.check_ring_dtype("ring_dtype", ring_dtype),
+    )
+    os.environ.update(opts.to_env())  # vLLM's child processes inherit the environment
+    from . import patching
+
+    return patching.apply(opts)
+
+
+def unpatch() -> None:
+    """Undo `patch()` in this process and stop child processes started later from enabling it."""
+    os.environ[_options.ENV_ENABLE] = "0"
+    from . import patching
+
+    patching.revert()
+    patching.apply(_options.Options(enabled=False))
+
+
+def status() -> dict:
+    """What the patch did in this process: options, patch points, per-layer decisions, counters."""
+    from . import patching
+
+    return patching.report()

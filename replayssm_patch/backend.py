@@ -1,0 +1,80 @@
+"""GDN attention backend with ring metadata: metadata + builder + backend class.
+
+The builder runs vLLM's own GDN builder, then adds per-row ring flags computed on the
+device from `seq_lens` and `query_start_loc` (exact under async scheduling, no host sync):
+
+  ring_force_flush  the step completes a prefix-cache block (align mode): the ring must be
+                    empty at every block boundary, because vLLM moves only conv and SSM
+                    state between blocks;
+  ring_start_empty  the row starts a new block (align) or has no prior state: its slot's
+                    state was put there without a ring, so any cursor there is stale.
+
+The flags live in persistent buffers, so FULL CUDA graphs replay with fresh values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionBackend,
+    GDNAttentionMetadata,
+    GDNAttentionMetadataBuilder,
+)
+
+
+@dataclass
+class ReplayGDNAttentionMetadata(GDNAttentionMetadata):
+    ring_force_flush: torch.Tensor | None = None  # int8 [rows]: flush after this token
+    ring_start_empty: torch.Tensor | None = None  # int8 [rows]: ignore the slot's cursor
+    ring_prefill_flush_slots: torch.Tensor | None = None  # prefill slots to materialise first
+    ring_prefill_slots: torch.Tensor | None = None  # prefill slots whose ring empties after
+
+
+class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        rows = max(vllm_config.scheduler_config.max_num_seqs, self.decode_cudagraph_max_bs) + 1
+        self.ring_force_flush = torch.zeros(rows, dtype=torch.int8, device=device)
+        self.ring_start_empty = torch.zeros(rows, dtype=torch.int8, device=device)
+        self.align = vllm_config.cache_config.mamba_cache_mode == "align"
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
+              num_decode_draft_tokens_cpu=None, fast_build=False):
+        md = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
+                           num_decode_draft_tokens_cpu, fast_build)
+        extra = {}
+        if md.num_spec_decodes == 0:
+            extra = self._ring_fields(common_attn_metadata, md)
+        return ReplayGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, **extra)
+
+    def _ring_fields(self, m, md) -> dict:
+        rows = m.num_reqs
+        qsl = m.query_start_loc[: rows + 1]
+        qlen = qsl[1:] - qsl[:-1]
+        computed = m.seq_lens[:rows] - qlen
+        force = self.ring_force_flush[:rows]
+        empty = self.ring_start_empty[:rows]
+        if self.align:
+            force.copy_(torch.remainder(computed + qlen, self.block_size) == 0)
+            empty.copy_(torch.remainder(computed, self.block_size) == 0)
+        else:
+            force.zero_()
+            empty.copy_(computed == 0)
+        out = {"ring_force_flush": self.ring_force_flush, "ring_start_empty": self.ring_start_empty}
+        if md.num_prefills > 0:
+            nd = md.num_decodes
+            slots = md.non_spec_state_indices_tensor[nd : nd + md.num_prefills]
+            has_state = md.has_initial_state[nd : nd + md.num_prefills]
+            carries_ring = has_state & (empty[nd : nd + md.num_prefills] == 0)
+            out["ring_prefill_flush_slots"] = torch.where(carries_ring, slots, torch.zeros_like(slots))
+            out["ring_prefill_slots"] = slots
+        return out
+
+
+class ReplayGDNAttentionBackend(GDNAttentionBackend):
+    @staticmethod
+    def get_builder_cls():
+        return ReplayGDNAttentionMetadataBuilder

@@ -1,0 +1,173 @@
+"""Route vLLM's GDN decode recurrence through the ring while one of our layers runs.
+
+vLLM's GDN core (`_forward_core` on GPU, `_cpu_gdn_attention_nonspec` on CPU) does the
+conv, the prefill and the bookkeeping; for decode rows it calls one recurrence kernel
+(`fused_recurrent_gated_delta_rule_packed_decode`, or `fused_sigmoid_gating_delta_rule_update`
+for the decode rows of mixed batches; `fused_sigmoid_gating_delta_rule_update_cpu` on CPU).
+We replace those module globals once with wrappers that pass straight through unless a
+`RingCall` is active for the very state tensor they were given; then they run the ring
+kernel on the same inputs. Everything else in vLLM's path stays vLLM's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+
+
+@dataclass
+class RingCall:
+    state_ptr: int  # data_ptr of the layer's SSM state: the key the wrappers match on
+    ring: object  # layer's RingBuffers
+    force_flush: torch.Tensor
+    start_empty: torch.Tensor
+    scale: float
+
+
+_active: RingCall | None = None
+
+
+@contextlib.contextmanager
+def ring_call(call: RingCall):
+    global _active
+    if _active is not None:
+        raise RuntimeError("nested GDN ring calls")
+    _active = call
+    try:
+        yield
+    finally:
+        _active = None
+
+
+def _match(state: torch.Tensor) -> RingCall | None:
+    call = _active
+    if call is None or state.data_ptr() != call.state_ptr:
+        return None
+    return call
+
+
+def _pack(q, k, v):
+    """(1, N, H, K) q/k and (1, N, HV, V) v -> packed [N, 2HK + HV V]."""
+    n = q.shape[-3]
+    return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+
+
+def _one_token_rows(cu_seqlens, n) -> bool:
+    # Decode rows carry exactly one token; anything else is not ours to serve.
+    return cu_seqlens is not None and cu_seqlens.shape[0] == n + 1
+
+
+def _passthrough(native, call, state_vk, indices, bound):
+    """A call on a ring layer's state that the ring cannot serve: flush the rows it will
+    read, so vLLM's kernel sees canonical states, and leave their rings empty."""
+    if call is not None:
+        kernels.materialize(state_vk, call.ring, indices.reshape(-1))
+    return native(**bound)
+
+
+def _binder(native):
+    """Name every argument of a call to `native` (vLLM passes them by keyword today)."""
+    sig = inspect.signature(native)
+    defaults = {k: v.default for k, v in sig.parameters.items() if v.default is not inspect.Parameter.empty}
+
+    def bind(args, kw):
+        if not args:
+            return {**defaults, **kw}
+        bound = sig.bind(*args, **kw)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    return bind
+
+
+def make_packed_decode_wrapper(native):
+    bind = _binder(native)
+
+    def packed_decode(*args, **kw):
+        p = bind(args, kw)
+        state, idx = p["initial_state"], p["ssm_state_indices"]
+        call = _match(state)
+        if call is None or not p["use_qk_l2norm_in_kernel"]:
+            return _passthrough(native, call, state, idx, p)
+        x, out = p["mixed_qkv"], p["out"]
+        n = x.shape[0]
+        kernels.decode(x, p["a"], p["b"], p["A_log"], p["dt_bias"], p["scale"], state,
+                       out.view(n, -1, out.shape[-1]), idx[:n], call.ring,
+                       call.force_flush[:n], call.start_empty[:n])
+        return out, state
+
+    packed_decode.__wrapped__ = native
+    return packed_decode
+
+
+def make_sigmoid_update_wrapper(native):
+    bind = _binder(native)
+
+    def sigmoid_update(*args, **kw):
+        p = bind(args, kw)
+        state, idx, q = p["initial_state"], p["ssm_state_indices"], p["q"]
+        call = _match(state)
+        if call is None:
+            return native(**p)
+        n = q.shape[1]
+        if (p.get("num_accepted_tokens") is not None or not _one_token_rows(p["cu_seqlens"], n)
+                or not p["use_qk_l2norm_in_kernel"] or not p["inplace_final_state"]):
+            return _passthrough(native, call, state, idx, p)
+        hv, vdim = p["v"].shape[-2:]
+        out = torch.empty((1, n, hv, vdim), dtype=q.dtype, device=q.device)
+        kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
+                       call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
+                       call.force_flush[:n], call.start_empty[:n])
+        return out, state
+
+    sigmoid_update.__wrapped__ = native
+    return sigmoid_update
+
+
+def make_cpu_update_wrapper(native):
+    bind = _binder(native)
+
+    def cpu_update(*args, **kw):
+        p = bind(args, kw)
+        src, idx, q = p["initial_state_source"], p["initial_state_indices"], p["q"]
+        call = _match(src)
+        if call is None:
+            return native(**p)
+        # vLLM's CPU kernels view each head of the [slot, HV, V, K] state as [K][V]; the same
+        # bytes read as [V, K] are the transpose of that view.
+        state = src.transpose(-1, -2)
+        n = q.shape[1]
+        if not _one_token_rows(p["cu_seqlens"], n) or not p["use_qk_l2norm_in_kernel"]:
+            return _passthrough(native, call, state, idx, p)
+        hv, vdim = p["v"].shape[-2:]
+        out = torch.empty((n, 1, hv, vdim), dtype=q.dtype, device=q.device)
+        kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
+                       call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
+                       call.force_flush[:n], call.start_empty[:n])
+        return out
+
+    cpu_update.__wrapped__ = native
+    return cpu_update
+
+
+def run_with_ring(layer, md, state_for_kernels, native_call):
+    """Run vLLM's GDN core for `layer` with its decode rows on the ring.
+
+    Prefill rows read and write the checkpoint directly: flush the rings they carry first,
+    and mark their rings empty after the prefill wrote a fresh state.
+    """
+    ring = layer.replay_ring
+    if md.ring_prefill_flush_slots is not None:
+        kernels.materialize(state_for_kernels, ring, md.ring_prefill_flush_slots)
+    call = RingCall(layer.kv_cache[1].data_ptr(), ring, md.ring_force_flush, md.ring_start_empty,
+                    layer.head_k_dim ** -0.5)
+    with ring_call(call):
+        result = native_call()
+    if md.ring_prefill_slots is not None:
+        kernels.reset(ring, md.ring_prefill_slots)
+    return result

@@ -1,0 +1,114 @@
+"""The Qwen GDN layer with a replay ring: cache spec, page binding, backend and forward.
+
+Registered with `QwenGatedDeltaNetAttention.register_oot`, so every Qwen GDN layer vLLM
+builds is this class; Olmo and Kimi GDN layers are left alone. A layer whose config the
+ring cannot serve (see ring_plan) behaves exactly like vLLM's class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import prod
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+from . import intercept
+from .backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata
+from .layer_registry import layer_report
+from .ring_plan import RingPlan
+
+
+@dataclass
+class RingBuffers:
+    g: torch.Tensor  # [slots, HV, L] float32, cumulative log-decay
+    d: torch.Tensor  # [slots, HV, L, V]
+    k: torch.Tensor  # [slots, H, L, K]
+    cursor: torch.Tensor  # [slots] int32, committed entries per slot
+
+
+class ReplayQwenGDN(QwenGatedDeltaNetAttention):
+    def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs):
+        super().__init__(config, vllm_config, prefix, *args, **kwargs)
+        from .patching import current_plan
+
+        self.ring_plan: RingPlan | None
+        self.ring_plan, reasons = current_plan(vllm_config)
+        self.replay_ring: RingBuffers | None = None
+        if self.ring_plan is not None and (
+            self.num_k_heads // self.tp_size != self.ring_plan.num_k_heads
+            or self.num_v_heads // self.tp_size != self.ring_plan.num_v_heads
+        ):
+            self.ring_plan, reasons = None, ["layer head counts differ from the model config"]
+        layer_report[prefix] = "ring" if self.ring_plan else "native: " + "; ".join(reasons)
+
+    # -- cache spec and page binding ------------------------------------------------------
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if self.ring_plan is None or spec is None:
+            return spec
+        return replace(spec, shapes=tuple(spec.shapes) + self.ring_plan.shapes,
+                       dtypes=tuple(spec.dtypes) + self.ring_plan.dtypes)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().bind_kv_cache(kv_cache)
+        if self.ring_plan is None:
+            return
+        pages = kv_cache.squeeze(dim=(1, 2))
+        offset = sum(prod(s) * t.element_size() for s, t in zip(self.get_state_shape(), self.kv_cache))
+        views = []
+        for shape, dtype in zip(self.ring_plan.shapes, self.ring_plan.dtypes):
+            nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
+            views.append(pages[:, offset:offset + nbytes].view(dtype).view(-1, *shape))
+            offset += nbytes
+        g, d, k = views
+        cursor = torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device)
+        self.replay_ring = RingBuffers(g=g, d=d, k=k, cursor=cursor)
+
+    def get_attn_backend(self):
+        return ReplayGDNAttentionBackend if self.ring_plan is not None else super().get_attn_backend()
+
+    # -- forward ----------------------------------------------------------------------------
+    def ring_metadata(self) -> ReplayGDNAttentionMetadata | None:
+        """This step's ring metadata, or None where vLLM's own path must run unchanged."""
+        if self.replay_ring is None:
+            return None
+        md = get_forward_context().attn_metadata
+        md = md.get(self.prefix) if isinstance(md, dict) else None
+        if not isinstance(md, ReplayGDNAttentionMetadata) or md.ring_force_flush is None:
+            return None
+        return md
+
+    def ring_state(self) -> torch.Tensor:
+        """The checkpoint as [slot, HV, V, K] (h[v, k]), as the ring kernels index it."""
+        return self.kv_cache[1]
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        md = self.ring_metadata()
+        native = super()._forward_core
+        if md is None:
+            return native(mixed_qkv, b, a, core_attn_out)
+        return intercept.run_with_ring(self, md, self.ring_state(),
+                                       lambda: native(mixed_qkv, b, a, core_attn_out))
+
+
+def cpu_state_view(layer) -> torch.Tensor:
+    """vLLM's CPU GDN kernels read each head as [K][V]; as [V, K] that is the transpose."""
+    s = layer.kv_cache[1]
+    n, hv, v, k = s.shape
+    return s.view(n, hv, k, v).transpose(-1, -2)
+
+
+def make_cpu_nonspec_wrapper(native):
+    """Wrap vLLM's `_cpu_gdn_attention_nonspec(layer, md, mixed_qkv, b, a, core_attn_out)`."""
+
+    def cpu_gdn_attention_nonspec(layer, attn_metadata_i, *args, **kw):
+        md = layer.ring_metadata() if isinstance(layer, ReplayQwenGDN) else None
+        if md is None:
+            return native(layer, attn_metadata_i, *args, **kw)
+        return intercept.run_with_ring(layer, md, cpu_state_view(layer),
+                                       lambda: native(layer, attn_metadata_i, *args, **kw))
+
+    cpu_gdn_attention_nonspec.__wrapped__ = native
+    return cpu_gdn_attention_nonspec

@@ -1,0 +1,110 @@
+"""Model-class page-size hooks: make vLLM size the Mamba page with the ring included.
+
+vLLM fixes the hybrid page size from the model class (`Platform._align_hybrid_block_size`,
+in the worker after the model is built), independently of the layers' cache specs. If the
+two disagree, `MambaSpec.page_size_bytes` asserts. So for the model class being served we
+add the same ring tensors there:
+
+* vLLM >= 0.31 prefers `get_mamba_specs_from_config` when a class has it: we give the class
+  one (or extend Qwen4Exp's own GDN spec) and leave `get_mamba_state_dtype_from_config`
+  alone, because the CPU platform requires that tuple to have exactly two entries;
+* older vLLM reads the shape and dtype hooks: we extend both.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+_MARK = "_replayssm_page_hook"
+# (class, attribute name, previous value in the class __dict__ or None)
+_installed: list[tuple[type, str, object]] = []
+
+
+def _platform_prefers_specs() -> bool:
+    from vllm.platforms.interface import Platform
+
+    try:
+        return "get_mamba_specs_from_config" in inspect.getsource(Platform._align_hybrid_block_size)
+    except (OSError, TypeError, AttributeError):
+        return False
+
+
+def _model_class(vllm_config):
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    mc = vllm_config.model_config
+    cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
+    return cls
+
+
+def _set(cls, name, value):
+    _installed.append((cls, name, cls.__dict__.get(name)))
+    setattr(cls, name, value)
+
+
+def ensure(vllm_config, ring_shapes_for) -> tuple[bool, str]:
+    """Install the hooks on the served model class; `ring_shapes_for(vllm_config)` returns
+    (shapes, dtypes) to append, or None when the ring is off for that config."""
+    try:
+        cls = _model_class(vllm_config)
+    except Exception as e:  # registry API differences, import failures
+        return False, f"cannot resolve the model class to size the cache page: {e}"
+    if cls.__dict__.get(_MARK):
+        return True, ""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if hasattr(cls, "get_mamba_specs_from_config"):
+        native_specs = cls.get_mamba_specs_from_config  # bound classmethod
+
+        def get_mamba_specs_from_config(klass, vllm_config):
+            specs = list(native_specs(vllm_config))
+            extra = ring_shapes_for(vllm_config)
+            if extra is None:
+                return specs
+            from dataclasses import replace
+
+            return [
+                replace(s, shapes=tuple(s.shapes) + extra[0], dtypes=tuple(s.dtypes) + extra[1])
+                if getattr(s.mamba_type, "name", str(s.mamba_type)).upper().endswith("GDN_ATTN") else s
+                for s in specs
+            ]
+
+        _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config))
+    elif _platform_prefers_specs():
+        def get_mamba_specs_from_config(klass, vllm_config):
+            shapes = tuple(klass.get_mamba_state_shape_from_config(vllm_config))
+            dtypes = tuple(klass.get_mamba_state_dtype_from_config(vllm_config))
+            extra = ring_shapes_for(vllm_config)
+            if extra is not None:
+                shapes, dtypes = shapes + extra[0], dtypes + extra[1]
+            return [MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1)]
+
+        _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config))
+    else:
+        native_shape = cls.get_mamba_state_shape_from_config
+        native_dtype = cls.get_mamba_state_dtype_from_config
+
+        def get_mamba_state_shape_from_config(klass, vllm_config):
+            extra = ring_shapes_for(vllm_config)
+            base = tuple(native_shape(vllm_config))
+            return base if extra is None else base + extra[0]
+
+        def get_mamba_state_dtype_from_config(klass, vllm_config):
+            extra = ring_shapes_for(vllm_config)
+            base = tuple(native_dtype(vllm_config))
+            return base if extra is None else base + extra[1]
+
+        _set(cls, "get_mamba_state_shape_from_config", classmethod(get_mamba_state_shape_from_config))
+        _set(cls, "get_mamba_state_dtype_from_config", classmethod(get_mamba_state_dtype_from_config))
+    _set(cls, _MARK, True)
+    return True, ""
+
+
+def remove_all() -> None:
+    while _installed:
+        cls, name, previous = _installed.pop()
+        if previous is None:
+            if name in cls.__dict__:
+                delattr(cls, name)
+        else:
+            setattr(cls, name, previous)

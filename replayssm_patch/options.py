@@ -1,0 +1,83 @@
+"""User options: environment variables and `patch()` arguments, validated in one place.
+
+The environment is the channel to vLLM's other processes (engine core, workers): they are
+started with a copy of it (fork or spawn), and the plugin entry point reads it there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV_ENABLE = "VLLM_GDN_REPLAYSSM"
+ENV_RING = "VLLM_GDN_REPLAYSSM_RING"
+ENV_STRICT = "VLLM_GDN_REPLAYSSM_STRICT"
+ENV_RING_DTYPE = "VLLM_GDN_REPLAYSSM_RING_DTYPE"
+
+DEFAULT_RING_LEN = 16
+MIN_RING_LEN, MAX_RING_LEN = 1, 64
+RING_DTYPES = ("auto", "float32")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+class OptionError(ValueError):
+    """A user-supplied option has a value outside the accepted set."""
+
+
+@dataclass(frozen=True)
+class Options:
+    enabled: bool = False
+    ring_len: int = DEFAULT_RING_LEN
+    strict: bool = False
+    # "auto": ring d/k in the activation dtype; "float32": always fp32 (more memory, more precise)
+    ring_dtype: str = "auto"
+
+    def to_env(self) -> dict[str, str]:
+        return {
+            ENV_ENABLE: "1" if self.enabled else "0",
+            ENV_RING: str(self.ring_len),
+            ENV_STRICT: "1" if self.strict else "0",
+            ENV_RING_DTYPE: self.ring_dtype,
+        }
+
+
+def parse_bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise OptionError(f"{name}={value!r} is not a boolean; accepted values: 0/1, true/false, yes/no, on/off")
+
+
+def check_ring_len(name: str, value) -> int:
+    try:
+        n = int(str(value).strip()) if not isinstance(value, bool) else None
+    except ValueError:
+        n = None
+    if n is None or not (MIN_RING_LEN <= n <= MAX_RING_LEN):
+        raise OptionError(
+            f"{name}={value!r} is not a valid ring length; accepted values: integers "
+            f"{MIN_RING_LEN}..{MAX_RING_LEN} (default {DEFAULT_RING_LEN})"
+        )
+    return n
+
+
+def check_ring_dtype(name: str, value: str) -> str:
+    v = str(value).strip().lower()
+    if v not in RING_DTYPES:
+        raise OptionError(f"{name}={value!r} is not accepted; accepted values: {', '.join(RING_DTYPES)}")
+    return v
+
+
+def from_env(environ=None) -> Options:
+    """Read the options from the environment; raises OptionError naming the bad variable."""
+    env = os.environ if environ is None else environ
+    return Options(
+        enabled=parse_bool(ENV_ENABLE, env.get(ENV_ENABLE, "0")),
+        ring_len=check_ring_len(ENV_RING, env.get(ENV_RING, str(DEFAULT_RING_LEN))),
+        strict=parse_bool(ENV_STRICT, env.get(ENV_STRICT, "0")),
+        ring_dtype=check_ring_dtype(ENV_RING_DTYPE, env.get(ENV_RING_DTYPE, "auto")),
+    )

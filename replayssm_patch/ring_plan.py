@@ -1,0 +1,123 @@
+"""Whether a model config can use the ring, and the ring's geometry and memory.
+
+Every decision here is taken from the `VllmConfig` alone, so the layer (worker, while the
+model is built) and the model-class page-size hook (worker, while block sizes are aligned)
+reach the same answer and the page-size bookkeeping stays consistent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from .options import Options
+
+SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """Per-rank ring geometry of one Qwen GDN layer."""
+
+    num_k_heads: int  # H per rank
+    num_v_heads: int  # HV per rank
+    head_k_dim: int
+    head_v_dim: int
+    ring_len: int
+    ring_dtype: torch.dtype  # d and k entries
+    state_dtype: torch.dtype  # the checkpoint (vLLM's SSM state)
+
+    # Page order after vLLM's (conv, ssm): g first (fp32 after the ssm state keeps every
+    # view aligned), then d, then k.
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        L = self.ring_len
+        return (
+            (self.num_v_heads, L),
+            (self.num_v_heads, L, self.head_v_dim),
+            (self.num_k_heads, L, self.head_k_dim),
+        )
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, self.ring_dtype, self.ring_dtype)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(self.shapes, self.dtypes))
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        el = torch.empty((), dtype=self.state_dtype).element_size()
+        return self.num_v_heads * self.head_v_dim * self.head_k_dim * el
+
+
+def _gdn_dims(hf_config):
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    if not all(hasattr(hf_config, n) for n in names):
+        return None
+    return tuple(int(getattr(hf_config, n)) for n in names)
+
+
+def state_dtype_of(vllm_config) -> torch.dtype:
+    """The SSM state dtype vLLM will allocate for GDN layers of this config."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+    cc, mc = vllm_config.cache_config, vllm_config.model_config
+    return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+        mc.dtype, cc.mamba_cache_dtype, cc.mamba_ssm_cache_dtype
+    )[1]
+
+
+def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]:
+    """Return (plan, []) when the ring can serve this config, else (None, reasons)."""
+    from vllm.platforms import current_platform
+
+    reasons: list[str] = []
+    if not options.enabled:
+        return None, [f"disabled (set VLLM_GDN_REPLAYSSM=1 or call replayssm_patch.patch())"]
+    mc = vllm_config.model_config
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    dims = _gdn_dims(hf)
+    if dims is None:
+        return None, ["the model config has no Gated DeltaNet (linear attention) dimensions"]
+    H, HV, K, V = dims
+    pc = vllm_config.parallel_config
+    tp = pc.tensor_parallel_size
+    if H % tp or HV % tp:
+        reasons.append(f"GDN heads (key {H}, value {HV}) do not divide by tensor_parallel_size={tp}")
+    elif (HV // tp) % (H // tp):
+        reasons.append(f"value heads per rank {HV // tp} are not a multiple of key heads per rank {H // tp}")
+    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS or K != V:
+        reasons.append(f"GDN head dims key={K}, value={V}: the ring kernels support equal key/value dims in {SUPPORTED_HEAD_DIMS}")
+    state_dtype = state_dtype_of(vllm_config)
+    if state_dtype not in SUPPORTED_STATE_DTYPES:
+        reasons.append(f"SSM state dtype {state_dtype} (supported: float32, bfloat16, float16)")
+    spec = vllm_config.speculative_config
+    if spec is not None and (getattr(spec, "num_speculative_tokens", 0) or 0) > 0:
+        reasons.append("speculative decoding is served by vLLM's native GDN path in this release")
+    if vllm_config.lora_config is not None:
+        reasons.append("LoRA is enabled (the GDN core may carry LoRA weights)")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        reasons.append("a KV connector is configured (it moves SSM state the ring does not track)")
+    if pc.pipeline_parallel_size > 1:
+        reasons.append("pipeline parallelism is not supported yet")
+    mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
+    if mode not in ("none", "align"):
+        reasons.append(f"mamba_cache_mode={mode!r} (supported: 'none', 'align')")
+    if current_platform.is_cuda():
+        from .kernels import gpu_kernels_available
+
+        ok, why = gpu_kernels_available()
+        if not ok:
+            reasons.append(f"ring kernel unavailable: {why}")
+    elif not current_platform.is_cpu():
+        reasons.append(f"platform {type(current_platform).__name__} (supported: CUDA, CPU)")
+    if reasons:
+        return None, reasons
+    act = mc.dtype
+    ring_dtype = torch.float32 if (options.ring_dtype == "float32" or act == torch.float32) else act
+    return RingPlan(H // tp, HV // tp, K, V, options.ring_len, ring_dtype, state_dtype), []
