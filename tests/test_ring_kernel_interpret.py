@@ -52,7 +52,7 @@ def _make_rings(torch, slots, H, HV, K, V, L, rdt, gen, cursor_init):
 
 def _run_cycles(
     *, H, HV, K, V, L, sdt, rdt, adt, steps, config=None, seed=0, strided=False,
-    use_force=False, use_start_empty=False, out4=False, l2norm=True, tol_out, tol_state,
+    use_force=False, use_start_empty=False, out4=False, l2norm=True, full_ring=False, tol_out, tol_state,
 ):
     import torch
 
@@ -73,7 +73,10 @@ def _run_cycles(
     else:
         state = torch.randn(slots, HV, V, K, generator=gen).to(sdt)
     state.mul_(0.2)
-    cursor0 = torch.arange(slots) % L  # every cursor position appears among the rows
+    # Every cursor position appears among the rows; with full_ring also n == L (a ring filled
+    # to the end by a committed verify window: replayed, then flushed).
+    top = L + 1 if full_ring else L
+    cursor0 = torch.arange(slots) % top
     rd, rk, rg, cur = _make_rings(torch, slots, H, HV, K, V, L, rdt, gen, cursor0)
     if strided:
         dpage = torch.full((slots, HV * L * V + 5), float("nan")).to(rdt)
@@ -123,7 +126,7 @@ def _run_cycles(
         assert torch.equal(page[:, :pad], page_ref_outside[0])
         assert torch.equal(page[:, pad + HV * V * K:], page_ref_outside[1])
         assert torch.isnan(dpage[:, :3].float()).all() and torch.isnan(dpage[:, -2:].float()).all()
-    assert seen_cursors == set(range(L)), f"cursor positions seen {sorted(seen_cursors)}"
+    assert seen_cursors == set(range(top)), f"cursor positions seen {sorted(seen_cursors)}"
     return {"out_rel": worst_out, "state_rel": worst_state}
 
 
@@ -132,7 +135,7 @@ def case_fp32_gqa2_blocks():
 
     # V=32 in two value blocks of 16 (P = HV*2 tickets per row), all ring entries prefetched.
     return _run_cycles(H=2, HV=4, K=32, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
-                       adt=torch.float32, steps=9, config=(16, 1, True), tol_out=1e-5, tol_state=1e-5)
+                       adt=torch.float32, steps=9, config=(16, 1, True), full_ring=True, tol_out=1e-5, tol_state=1e-5)
 
 
 def case_fp32_masked_ring_force_flush_start_empty():
@@ -140,7 +143,7 @@ def case_fp32_masked_ring_force_flush_start_empty():
 
     return _run_cycles(H=1, HV=3, K=16, V=32, L=5, sdt=torch.float32, rdt=torch.float32,
                        adt=torch.float32, steps=11, config=(32, 1, False), use_force=True,
-                       use_start_empty=True, seed=1, tol_out=1e-5, tol_state=1e-5)
+                       use_start_empty=True, full_ring=True, seed=1, tol_out=1e-5, tol_state=1e-5)
 
 
 def case_bf16_state_bf16_ring_gqa8_out4():
@@ -180,7 +183,7 @@ def case_materialize_reset():
     res = {}
     for sdt in (torch.float32, torch.bfloat16):
         state = (torch.randn(slots, HV, V, K, generator=gen) * 0.2).to(sdt)
-        cursor0 = torch.tensor([3, 0, 4, 2, 0, 1, 3, 4])
+        cursor0 = torch.tensor([3, 0, 5, 2, 0, 1, 3, 4])  # 5 == L: a full ring
         rd, rk, rg, cur = _make_rings(torch, slots, H, HV, K, V, L, torch.bfloat16, gen, cursor0)
         mine = [state, rd, rk, rg, cur]
         ref = [t.clone() for t in mine]

@@ -32,7 +32,9 @@ buffer and no host sync, and it is CUDA-graph safe. Racing reads of ring entries
 Requirements: the valid rows of one launch name distinct slots (vLLM guarantees this), and
 cursor values stay below 2**16 (L <= 65535) with P <= 32767 programs per row.
 
-A cursor outside [0, L) (corrupt state) is clamped to L - 1 instead of reading out of bounds.
+Cursor range: 0 <= n <= L. n == L is a full ring (a speculative verify window committed up to
+the end): it is replayed and the step flushes. A larger value (corrupt state) is clamped to L
+instead of reading out of bounds.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def _ring_decode_kernel(
     if HAS_SE:
         if tl.load(start_empty + i_n.to(tl.int64) * stride_se) != 0:
             n = n * 0
-    n = tl.minimum(n, L - 1)
+    n = tl.minimum(n, L)
     live = o_l < n
 
     if not PREFETCH_RING:
@@ -203,7 +205,7 @@ def _ring_materialize_kernel(
     p_k = ring_k + slot * slot_stride_k + i_h * (L * K) + o_l[:, None] * K + o_k[None, :]
 
     ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
-    n = tl.minimum(ticket & 0xFFFF, L - 1)
+    n = tl.minimum(ticket & 0xFFFF, L)
     arrivals = ticket >> 16
     if n > 0:
         live = o_l < n
