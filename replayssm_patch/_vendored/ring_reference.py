@@ -107,8 +107,9 @@ def ring_decode_reference(
     n = cursor[slots].long()
     if start_empty is not None:
         n = torch.where(start_empty[rows].bool(), torch.zeros_like(n), n)
-    if bool(((n < 0) | (n >= L)).any()):
-        raise RuntimeError(f"ring cursor out of range [0, {L}) for slots {slots.tolist()}")
+    # n == L is a full ring (a verify window committed up to the end): replay it and flush.
+    if bool(((n < 0) | (n > L)).any()):
+        raise RuntimeError(f"ring cursor out of range [0, {L}] for slots {slots.tolist()}")
     q, k, v, g, beta, k_heads = prepare_inputs(
         mixed_qkv[rows], a[rows], b[rows], A_log, dt_bias, scale, H, HV, K, V, cdt, use_qk_l2norm
     )
