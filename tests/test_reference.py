@@ -544,7 +544,7 @@ def test_verify_head_dim_128_gqa():
 # -- random sweep -------------------------------------------------------------------------------
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
     L=st.sampled_from(RING_LENGTHS),
