@@ -293,8 +293,8 @@ def _ring_geometry(state, ring_d, ring_k, ring_g, cursor):
     for name, t in (("state", state), ("ring_d", ring_d), ("ring_k", ring_k)):
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"{name} must be float32, bfloat16 or float16 (got {t.dtype})")
-    if not 2 <= L <= 0xFFFF:
-        raise ValueError(f"ring length L={L} must be in [2, 65535]")
+    if not 1 <= L <= 0xFFFF:
+        raise ValueError(f"ring length L={L} must be in [1, 65535]")
     if K < 16 or V < 16:
         raise ValueError(f"head dims must be >= 16 (got K={K}, V={V})")
     dev = state.device

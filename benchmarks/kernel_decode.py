@@ -1,0 +1,446 @@
+#!/usr/bin/env python3
+"""Kernel benchmark: our ReplaySSM ring decode vs vLLM's native packed GDN decode.
+
+    python benchmarks/kernel_decode.py [--vllm-root DIR] [--out-dir benchmarks/results]
+
+Both arms run in one process on one GPU, interleaved, on the same shapes:
+
+* Qwen3.5-122B (H=16, HV=64) and Qwen3-Next (H=16, HV=32), K = V = 128;
+* state fp32 / fp16 / bf16, activations bf16 (vLLM's native kernel takes any state dtype with
+  any activation dtype: it computes in fp32 and casts on store), ring d/k bf16, ring g fp32;
+* batch 1, 2, 4, ..., 512; ring length L = 16.
+
+Timing: whole L-step cycles. Row r starts at cursor r % L, so each step 1/L of the rows flush
+and a cycle brings every cursor back to where it started. For each arm a CUDA graph is captured
+over one cycle of L steps x NL layers (NL independent sets of buffers, so that a layer's state
+is not still in L2 from the previous step: NL x per-layer bytes >= 256 MiB, at most 64 layers);
+graphs remove launch overhead for BOTH arms equally. Replays of the arms alternate; each is
+timed with CUDA events; the median over replays / (L * NL) is the time per layer-step.
+
+Roofline for ours: bytes that must move per step (state read once, state written 1/L of the
+time, the live ring entries read, one ring entry written on non-flush steps, qkv/a/b read,
+output written) over the device-to-device copy bandwidth measured in the same run (a 4 GiB
+torch copy, bytes read + written).
+
+Writes <out-dir>/kernel_decode.json (with a `summary`) and <out-dir>/kernel_decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SHAPES = [("qwen3.5-122b", 16, 64), ("qwen3-next", 16, 32)]
+HEAD_DIM = 128
+STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ACT_DTYPE = torch.bfloat16
+RING_DTYPE = torch.bfloat16
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+L = 16
+# Launch configurations (BV, num_warps, prefetch_ring) timed beside the shipped heuristic.
+SWEEP = [(16, 1, True), (32, 1, True), (32, 1, False), (32, 2, False), (64, 2, False),
+         (64, 4, False), (128, 4, False), (128, 8, False)]
+MIN_FOOTPRINT = 256 << 20
+MAX_LAYERS = 64
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's native kernel, imported from an installed vLLM or an unpacked tree of its .py files
+# --------------------------------------------------------------------------------------------
+
+class _CudaPlatformStub:
+    """Stands in for vllm.platforms.current_platform when vLLM is unpacked, not installed (its
+    compiled extensions are missing). Answers what the FLA ops ask, as vLLM's CUDA platform does."""
+
+    def is_cuda(self):
+        return True
+
+    def is_cuda_alike(self):
+        return True
+
+    def is_device_capability_family(self, capability, device_id=None):
+        return torch.cuda.get_device_capability(device_id or 0)[0] == capability // 10
+
+    def __getattr__(self, name):
+        if name.startswith("is_"):
+            return lambda *a, **k: False
+        raise AttributeError(name)
+
+
+def load_native(vllm_root=None):
+    """Return (fused_recurrent_gated_delta_rule_packed_decode, vllm version, how it was loaded)."""
+    import importlib.metadata
+
+    if vllm_root and vllm_root not in sys.path:
+        sys.path.insert(0, vllm_root)
+    try:
+        importlib.metadata.version("vllm")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    import vllm
+    import vllm.platforms as platforms
+
+    how = "installed"
+    if not installed:
+        platforms._current_platform = _CudaPlatformStub()
+        how = "unpacked .py tree, platform stub"
+    # The ops package's __init__ imports the whole model executor (and pyzmq): load the one
+    # module through an empty package instead.
+    base = os.path.dirname(vllm.__file__)
+    pkg = "vllm.third_party.flash_linear_attention.ops"
+    if pkg not in sys.modules:
+        mod = types.ModuleType(pkg)
+        mod.__path__ = [os.path.join(base, "third_party", "flash_linear_attention", "ops")]
+        sys.modules[pkg] = mod
+    from vllm.third_party.flash_linear_attention.ops import fused_recurrent as fr
+
+    return fr.fused_recurrent_gated_delta_rule_packed_decode, vllm.__version__, how
+
+
+# --------------------------------------------------------------------------------------------
+# Buffers
+# --------------------------------------------------------------------------------------------
+
+class Layer:
+    """One layer's buffers for batch B: inputs, our state + ring, native's state."""
+
+    def __init__(self, B, H, HV, sdt, gen, dev="cuda", native=True):
+        K = V = HEAD_DIM
+        slots = B + 1  # slot 0 is vLLM's NULL block
+        self.B, self.H, self.HV = B, H, HV
+        self.qkv = (torch.randn(B, 2 * H * K + HV * V, generator=gen, device=dev)).to(ACT_DTYPE)
+        self.a = torch.randn(B, HV, generator=gen, device=dev).to(ACT_DTYPE)
+        self.b = torch.randn(B, HV, generator=gen, device=dev).to(ACT_DTYPE)
+        self.A_log = torch.rand(HV, generator=gen, device=dev) * 2 - 1
+        self.dt_bias = torch.randn(HV, generator=gen, device=dev)
+        self.idx = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
+        self.out = torch.empty(B, 1, HV, V, dtype=ACT_DTYPE, device=dev)
+        self.state = (torch.randn(slots, HV, V, K, generator=gen, device=dev) * 0.05).to(sdt)
+        self.ring_d = (torch.randn(slots, HV, L, V, generator=gen, device=dev) * 0.01).to(RING_DTYPE)
+        self.ring_k = torch.nn.functional.normalize(
+            torch.randn(slots, H, L, K, generator=gen, device=dev), dim=-1).to(RING_DTYPE)
+        self.ring_g = torch.cumsum(-torch.rand(slots, HV, L, generator=gen, device=dev) * 0.05, -1)
+        self.cursor = (torch.arange(slots, device=dev, dtype=torch.int32) - 1).clamp_min(0) % L
+        self.cursor0 = self.cursor.clone()
+        self.native_state = self.state.clone() if native else None
+        self.native_out = torch.empty_like(self.out)
+
+    def ours(self, config=None):
+        from replayssm_patch._vendored.ring_decode import ring_decode
+
+        ring_decode(self.qkv, self.a, self.b, self.A_log, self.dt_bias, HEAD_DIM ** -0.5, self.state,
+                    self.out, self.idx, self.ring_d, self.ring_k, self.ring_g, self.cursor,
+                    config=config)
+
+    def native(self, fn):
+        fn(self.qkv, self.a, self.b, self.A_log, self.dt_bias, HEAD_DIM ** -0.5, self.native_state,
+           self.native_out, self.idx, use_qk_l2norm_in_kernel=True)
+
+
+def bytes_per_step(B, H, HV, sdt):
+    K = V = HEAD_DIM
+    sb = torch.tensor([], dtype=sdt).element_size()
+    ab = torch.tensor([], dtype=ACT_DTYPE).element_size()
+    rb = torch.tensor([], dtype=RING_DTYPE).element_size()
+    state = B * HV * V * K * sb
+    io = B * ((2 * H * K + HV * V) * ab + 2 * HV * ab + HV * V * ab + 4)
+    entry = HV * V * rb + H * K * rb + HV * 4  # one ring entry (d, k per key head, G)
+    live = (L - 1) / 2  # mean committed entries over a cycle (cursors 0..L-1)
+    ours = state + state / L + B * entry * live + B * entry * (L - 1) / L + io + B * 8
+    native = 2 * state + io
+    return ours, native
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel pre-compilation (fills Triton's on-disk cache; the timed process then loads from it)
+# --------------------------------------------------------------------------------------------
+
+def _compile_job(job):
+    kind, H, HV, sdt_name, config, vllm_root = job
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        layer = Layer(2, H, HV, STATE_DTYPES[sdt_name], gen)
+        if kind == "native":
+            fn, _, _ = load_native(vllm_root)
+            layer.native(fn)
+        else:
+            layer.ours(config)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # reported, the main process compiles it again anyway
+        return f"{job}: {type(e).__name__}: {e}"
+
+
+def precompile(jobs, workers):
+    if workers <= 1:
+        return [r for r in map(_compile_job, jobs) if r]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        return [r for r in pool.map(_compile_job, jobs, chunksize=1) if r]
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+def capture(step_fn, layers):
+    """A CUDA graph of one full ring cycle: L steps x all layers."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(L):  # warm-up cycle (compiles, and leaves the cursors where they were)
+            for ly in layers:
+                step_fn(ly)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(L):
+            for ly in layers:
+                step_fn(ly)
+    torch.cuda.synchronize()
+    return g
+
+
+def time_graphs(graphs, reps, warmup=2):
+    """Replay the graphs in turn (interleaved), each timed with events: {name: [ms]}."""
+    times = {k: [] for k in graphs}
+    for i in range(warmup + reps):
+        for name, g in graphs.items():
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            if i >= warmup:
+                times[name].append(e0.elapsed_time(e1))
+    return times
+
+
+def copy_bandwidth():
+    n = 1 << 30  # 4 GiB of fp32
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ts = []
+    for _ in range(20):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    t = statistics.median(ts) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / t  # bytes read + written per second
+
+
+def cfg_name(cfg):
+    bv, w, pre = cfg
+    return f"bv{bv}_w{w}_{'prefetch' if pre else 'masked'}"
+
+
+def run(args):
+    from replayssm_patch._vendored.ring_decode import pick_decode_config
+    import triton
+
+    native_fn, vllm_version, vllm_how = load_native(args.vllm_root)
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    batches = [b for b in BATCHES if b <= args.max_batch]
+    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    dtypes = [d for d in STATE_DTYPES if d in args.dtypes]
+
+    jobs = []
+    for _, H, HV in shapes:
+        for sdt_name in dtypes:
+            jobs.append(("native", H, HV, sdt_name, None, args.vllm_root))
+            cfgs = set(SWEEP if args.sweep else [])
+            cfgs |= {pick_decode_config(b, HV, HEAD_DIM, HEAD_DIM, STATE_DTYPES[sdt_name], dev) for b in batches}
+            for c in sorted(cfgs):
+                jobs.append(("ours", H, HV, sdt_name, c, args.vllm_root))
+    print(f"pre-compiling {len(jobs)} kernels with {args.workers} workers", flush=True)
+    errors = precompile(jobs, args.workers)
+    for e in errors:
+        print("precompile:", e, flush=True)
+
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+
+    meta = {
+        "args": args, "bw": bw,
+        "gpu": props.name, "sms": props.multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__, "vllm": vllm_version,
+        "vllm_loaded_as": vllm_how, "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python"] + sys.argv),
+        "method": "CUDA graph per arm over one full L-step cycle x NL layers, replays interleaved, "
+                  "CUDA events, median; us per layer-step",
+        "L": L, "reps": args.reps, "sweep_reps": args.sweep_reps,
+        "precompile_errors": errors,
+    }
+    rows = []
+    for shape_name, H, HV in shapes:
+        for sdt_name in dtypes:
+            sdt = STATE_DTYPES[sdt_name]
+            for B in batches:
+                b_ours, b_native = bytes_per_step(B, H, HV, sdt)
+                per_layer = b_ours
+                NL = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / per_layer)))
+                gen = torch.Generator(device="cuda").manual_seed(B * 131 + HV)
+                layers = [Layer(B, H, HV, sdt, gen) for _ in range(NL)]
+                heur = pick_decode_config(B, HV, HEAD_DIM, HEAD_DIM, sdt, dev)
+                graphs = {"native": capture(lambda ly: ly.native(native_fn), layers),
+                          "ours": capture(lambda ly: ly.ours(None), layers)}
+                for ly in layers:
+                    assert torch.equal(ly.cursor, ly.cursor0), "a cycle must return the cursors"
+                sweep_cfgs = [c for c in (SWEEP if args.sweep else []) if c != heur]
+                for c in sweep_cfgs:
+                    graphs[cfg_name(c)] = capture(lambda ly, c=c: ly.ours(c), layers)
+                main = time_graphs({k: graphs[k] for k in ("native", "ours")}, args.reps)
+                sweep = time_graphs({k: graphs[k] for k in graphs if k not in ("native", "ours")},
+                                    args.sweep_reps) if sweep_cfgs else {}
+                for ly in layers:
+                    assert torch.equal(ly.cursor, ly.cursor0), "a cycle must return the cursors"
+                    assert torch.isfinite(ly.out.float()).all() and torch.isfinite(ly.state.float()).all()
+                steps = L * NL
+                t_nat = statistics.median(main["native"]) / steps * 1e3  # us per layer-step
+                t_our = statistics.median(main["ours"]) / steps * 1e3
+                spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in main.items()}
+                sweep_us = {cfg_name(heur): t_our}
+                sweep_us.update({k: statistics.median(v) / steps * 1e3 for k, v in sweep.items()})
+                best = min(sweep_us, key=sweep_us.get)
+                roof_us = b_ours / bw * 1e6
+                row = {
+                    "shape": shape_name, "H": H, "HV": HV, "K": HEAD_DIM, "V": HEAD_DIM,
+                    "state_dtype": sdt_name, "act_dtype": "bf16", "ring_dtype": "bf16", "L": L,
+                    "batch": B, "layers": NL,
+                    "native_us": round(t_nat, 3), "ours_us": round(t_our, 3),
+                    "speedup": round(t_nat / t_our, 4),
+                    "ours_config": cfg_name(heur),
+                    "bytes_ours": int(b_ours), "bytes_native": int(b_native),
+                    "roofline_us": round(roof_us, 3),
+                    "roofline_fraction": round(roof_us / t_our, 4),
+                    "native_roofline_fraction": round(b_native / bw * 1e6 / t_nat, 4),
+                    "spread": {k: round(v, 4) for k, v in spread.items()},
+                    "sweep_us": {k: round(v, 3) for k, v in sweep_us.items()},
+                    "best_config": best,
+                    "best_speedup": round(t_nat / sweep_us[best], 4),
+                }
+                rows.append(row)
+                print(f"{shape_name:13s} {sdt_name} B={B:4d} NL={NL:3d} native {t_nat:9.2f} us  ours {t_our:9.2f} us "
+                      f"x{t_nat / t_our:5.2f}  roof {roof_us / t_our:5.1%}  [{cfg_name(heur)}; best {best} "
+                      f"{sweep_us[best]:.2f}]", flush=True)
+                del graphs, layers
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                finalize(rows, meta)
+
+    print(json.dumps(finalize(rows, meta), indent=1))
+
+
+def finalize(rows, meta):
+    """Write the JSON and markdown results (called after every cell, so a crash keeps data)."""
+    args, bw = meta["args"], meta["bw"]
+    big = [r for r in rows if r["batch"] >= 64 and r["state_dtype"] in ("fp32", "fp16")]
+    worst = min(rows, key=lambda r: r["speedup"])
+    summary = {
+        "min_speedup": worst["speedup"],
+        "min_speedup_at": f"{worst['shape']} {worst['state_dtype']} B={worst['batch']}",
+        "max_speedup": max(r["speedup"] for r in rows),
+        "min_roofline_fraction_b64plus": min(r["roofline_fraction"] for r in big) if big else None,
+        "copy_bandwidth_TBps": round(bw / 1e12, 4),
+        "rows": len(rows),
+        "target_speedup_ge_1_everywhere": all(r["speedup"] >= 1.0 for r in rows),
+        "target_roofline_ge_0.9_b64plus_fp32_fp16": bool(big) and all(r["roofline_fraction"] >= 0.9 for r in big),
+    }
+    tests = []
+    if args.test_report and os.path.exists(args.test_report):
+        with open(args.test_report) as f:
+            tests = [json.loads(line) for line in f if line.strip()]
+    result = {k: v for k, v in meta.items() if k not in ("args", "bw")}
+    result.update({"summary": summary, "rows": rows, "gpu_test_errors": tests})
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "kernel_decode.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out_dir, "kernel_decode.md"), "w") as f:
+        f.write(render_md(result))
+    return summary
+
+
+def render_md(res):
+    s = res["summary"]
+    out = [
+        "# Kernel decode benchmark: ReplaySSM ring decode vs vLLM native packed decode",
+        "",
+        f"GPU {res['gpu']} ({res['sms']} SMs), torch {res['torch']}, triton {res['triton']}, "
+        f"vLLM {res['vllm']} ({res['vllm_loaded_as']}), Python {res['python']}, {res['date']}.",
+        f"Command: `{res['command']}`",
+        "",
+        f"Method: {res['method']}. Ring length L={res['L']}, cursors staggered (row r starts at "
+        "r % L), activations bf16, ring d/k bf16, ring g fp32, K=V=128. Roofline = bytes ours "
+        f"must move per step / measured copy bandwidth ({s['copy_bandwidth_TBps']} TB/s, read+write).",
+        "",
+        f"**Summary:** min speedup native/ours = **{s['min_speedup']}** ({s['min_speedup_at']}), "
+        f"max {s['max_speedup']}; min roofline fraction at batch >= 64 (fp32, fp16 state) = "
+        f"**{s['min_roofline_fraction_b64plus']}**. Targets: speedup >= 1 everywhere: "
+        f"{s['target_speedup_ge_1_everywhere']}; roofline >= 0.9 at B >= 64: "
+        f"{s['target_roofline_ge_0.9_b64plus_fp32_fp16']}.",
+        "",
+        "| shape | state | batch | native us | ours us | speedup | ours % roofline | native % copy-bw roofline | ours config | best swept config (us) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in res["rows"]:
+        out.append(
+            f"| {r['shape']} (H={r['H']}, HV={r['HV']}) | {r['state_dtype']} | {r['batch']} | "
+            f"{r['native_us']:.2f} | {r['ours_us']:.2f} | {r['speedup']:.2f} | "
+            f"{100 * r['roofline_fraction']:.1f} | {100 * r['native_roofline_fraction']:.1f} | "
+            f"{r['ours_config']} | {r['best_config']} ({r['sweep_us'][r['best_config']]:.2f}) |"
+        )
+    if res.get("gpu_test_errors"):
+        out += ["", "## GPU test errors (tests/gpu/test_ring_kernel_gpu.py, same machine)", "",
+                "| test | measured | bound |", "|---|---|---|"]
+        for t in res["gpu_test_errors"]:
+            vals = ", ".join(f"{k}={v:.3e}" for k, v in t.items() if k not in ("test", "bound"))
+            out.append(f"| {t['test']} | {vals} | {t.get('bound', '')} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-root", default=None, help="folder holding an unpacked vllm/ package")
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--sweep-reps", type=int, default=5)
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument("--max-batch", type=int, default=512)
+    ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
+    ap.add_argument("--dtypes", nargs="*", default=list(STATE_DTYPES))
+    ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    ap.add_argument("--test-report", default=None, help="JSON lines written by the GPU tests")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
