@@ -96,8 +96,13 @@ def load_native(vllm_root=None):
 
     how = "installed"
     if not installed:
+        # Without package metadata vLLM's version probe raises, and vllm.triton_utils then
+        # swaps triton for a placeholder; this vLLM is the 0.33.0 CUDA build, not "cpu".
+        platforms.vllm_version_matches_substr = lambda substr: substr in vllm.__version__
         platforms._current_platform = _CudaPlatformStub()
         how = "unpacked .py tree, platform stub"
+        if "vllm.triton_utils" in sys.modules:
+            print("warning: vllm.triton_utils was imported before the version probe was patched")
     # The ops package's __init__ imports the whole model executor (and pyzmq): load the one
     # module through an empty package instead.
     base = os.path.dirname(vllm.__file__)
