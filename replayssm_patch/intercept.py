@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import kernels, shadow
 
 
 @dataclass
@@ -149,6 +149,8 @@ def make_cpu_update_wrapper(native):
         kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
                        call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
                        call.force_flush[:n], call.start_empty[:n])
+        if shadow.enabled():
+            shadow.check_decode(native, p, call.ring, out, call.start_empty)
         return out
 
     cpu_update.__wrapped__ = native
@@ -170,4 +172,13 @@ def run_with_ring(layer, md, state_for_kernels, native_call):
         result = native_call()
     if md.ring_prefill_slots is not None:
         kernels.reset(ring, md.ring_prefill_slots)
+        if shadow.enabled():
+            shadow.sync_slots(ring, _cpu_kv_view(layer), md.ring_prefill_slots)
     return result
+
+
+def _cpu_kv_view(layer) -> torch.Tensor:
+    """The SSM state as vLLM's CPU kernels see it: [slot, HV, K, V]."""
+    s = layer.kv_cache[1]
+    n, hv, v, k = s.shape
+    return s.view(n, hv, k, v)

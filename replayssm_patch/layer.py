@@ -26,6 +26,7 @@ class RingBuffers:
     d: torch.Tensor  # [slots, HV, L, V]
     k: torch.Tensor  # [slots, H, L, K]
     cursor: torch.Tensor  # [slots] int32, committed entries per slot
+    shadow: torch.Tensor | None = None  # exact-state copy for the shadow check (testing aid)
 
 
 class ReplayQwenGDN(QwenGatedDeltaNetAttention):
@@ -95,9 +96,7 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
 
 def cpu_state_view(layer) -> torch.Tensor:
     """vLLM's CPU GDN kernels read each head as [K][V]; as [V, K] that is the transpose."""
-    s = layer.kv_cache[1]
-    n, hv, v, k = s.shape
-    return s.view(n, hv, k, v).transpose(-1, -2)
+    return intercept._cpu_kv_view(layer).transpose(-1, -2)
 
 
 def make_cpu_nonspec_wrapper(native):

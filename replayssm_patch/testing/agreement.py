@@ -1,0 +1,55 @@
+"""The agreement criterion between a native and a patched greedy run.
+
+Greedy tokens must be identical, except that a request may diverge at a near tie: at the
+first differing position the native top-2 logprob gap is below `tie_gap`, and every chosen
+token's logprob before it agrees within `logprob_tol`. At least `min_identical` of the
+requests must be fully identical (random-weight models have near ties, and the ring sums
+fp32 terms in a different order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Agreement:
+    identical: int
+    near_tie: int
+    failures: list[str]
+    total: int
+
+    @property
+    def identical_fraction(self) -> float:
+        return self.identical / max(self.total, 1)
+
+    def ok(self, min_identical: float = 0.9) -> bool:
+        return not self.failures and self.identical_fraction >= min_identical
+
+    def summary(self) -> str:
+        return (f"{self.identical}/{self.total} identical, {self.near_tie} diverged at a near tie, "
+                f"{len(self.failures)} real divergences")
+
+
+def compare(native: list[dict], patched: list[dict], tie_gap: float = 0.01, logprob_tol: float = 0.01) -> Agreement:
+    """native/patched: per request {"tokens", "logprobs", "top2"} as engine_runner prints them."""
+    if len(native) != len(patched):
+        return Agreement(0, 0, [f"request count {len(native)} vs {len(patched)}"], len(native))
+    identical, near, failures = 0, 0, []
+    for r, (n, p) in enumerate(zip(native, patched)):
+        if n["tokens"] == p["tokens"]:
+            identical += 1
+            continue
+        if len(n["tokens"]) != len(p["tokens"]):
+            failures.append(f"request {r}: {len(n['tokens'])} vs {len(p['tokens'])} tokens")
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(n["tokens"], p["tokens"])) if a != b)
+        drift = max((abs(a - b) for a, b in zip(n["logprobs"][:i], p["logprobs"][:i])), default=0.0)
+        top = n["top2"][i]
+        gap = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
+        if gap < tie_gap and drift <= logprob_tol:
+            near += 1
+        else:
+            failures.append(f"request {r}: diverges at token {i} (native top-2 gap {gap:.4f}, "
+                            f"max logprob drift before it {drift:.4f})")
+    return Agreement(identical, near, failures, len(native))

@@ -1,0 +1,116 @@
+"""Run real vLLM on a set of scenarios and print what it generated, as JSON on the last line.
+
+Used by the tests and the demo to compare native and patched engines, each arm in its own
+process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
+
+    {"model": path, "patched": bool, "ring_len": int, "via": "patch" | "env",
+     "engines": [{"name": str, "engine": {LLM kwargs}, "scenario": "batch" | "staggered",
+                  "prompts": [[token ids]...], "max_tokens": [int...] }]}
+
+"batch" submits every prompt at once; "staggered" adds one request per engine step, so new
+prefills share steps with running decodes (mixed batches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _gdn_layers_info(model):
+    """Per GDN layer: class, whether it has a ring, cache content bytes per slot."""
+    from vllm.config import get_current_vllm_config  # noqa: F401
+
+    info = []
+    for name, mod in model.named_modules():
+        if type(mod).__name__ in ("ReplayQwenGDN", "QwenGatedDeltaNetAttention"):
+            ring = getattr(mod, "replay_ring", None)
+            kv = getattr(mod, "kv_cache", None)
+            content = sum(t[0].numel() * t.element_size() for t in kv) if kv else 0
+            if ring is not None:
+                content += sum(t[0].numel() * t.element_size() for t in (ring.g, ring.d, ring.k))
+            info.append({"name": name, "cls": type(mod).__name__, "ring": ring is not None,
+                         "content_bytes_per_slot": content})
+    return info
+
+
+def _top2(lp_dict):
+    items = sorted(lp_dict.items(), key=lambda kv: -kv[1].logprob)[:2]
+    return [[int(t), float(lp.logprob)] for t, lp in items]
+
+
+def _collect(outputs):
+    res = []
+    for o in sorted(outputs, key=lambda o: int(o.request_id)):
+        c = o.outputs[0]
+        chosen = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
+        res.append({"tokens": list(c.token_ids), "logprobs": chosen,
+                    "top2": [_top2(d) for d in c.logprobs]})
+    return res
+
+
+def _run_staggered(llm, prompts, params):
+    engine = llm.llm_engine
+    pending = list(enumerate(zip(prompts, params)))
+    done = []
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, (p, sp) = pending.pop(0)
+            engine.add_request(str(i), p, sp)
+        for out in engine.step():
+            if out.finished:
+                done.append(out)
+    return done
+
+
+def _preemptions(llm) -> int | None:
+    try:
+        for m in llm.get_metrics():
+            if "preempt" in m.name:
+                return int(getattr(m, "value", 0) or 0)
+    except Exception:
+        return None
+    return 0
+
+
+def main(spec_path: str) -> None:
+    spec = json.load(open(spec_path))
+    if spec["patched"] and spec.get("via", "patch") == "patch":
+        import replayssm_patch
+
+        report = replayssm_patch.patch(ring_len=spec.get("ring_len", 16), strict=spec.get("strict", True),
+                                       ring_dtype=spec.get("ring_dtype", "auto"))
+        assert report["applied"], report
+    from vllm import LLM, SamplingParams
+
+    results = {}
+    for eng in spec["engines"]:
+        llm = LLM(model=spec["model"], **eng["engine"])
+        prompts = [{"prompt_token_ids": p} for p in eng["prompts"]]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=2)
+                  for n in eng["max_tokens"]]
+        if eng.get("scenario", "batch") == "staggered":
+            outs = _run_staggered(llm, prompts, params)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            # request ids restart per LLM; generate() already returns prompt order
+            for i, o in enumerate(outs):
+                o.request_id = str(i)
+        entry = {"requests": _collect(outs), "preemptions": _preemptions(llm)}
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+            entry["layers"] = llm.apply_model(_gdn_layers_info)[0]
+        results[eng["name"]] = entry
+        del llm
+    if spec["patched"]:
+        try:
+            import replayssm_patch
+
+            results["_status"] = replayssm_patch.status()
+        except Exception as e:  # pragma: no cover - reported, not hidden
+            results["_status"] = {"error": repr(e)}
+    print("RESULT_JSON " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

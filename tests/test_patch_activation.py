@@ -1,0 +1,215 @@
+"""Activation, options, version gate, feature probes and per-config fallback reasons."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from replayssm_patch import options, versions
+
+if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
+    pytest.importorskip("vllm")
+
+
+# -- options ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("var,value", [
+    ("VLLM_GDN_REPLAYSSM", "maybe"),
+    ("VLLM_GDN_REPLAYSSM_RING", "0"),
+    ("VLLM_GDN_REPLAYSSM_RING", "65"),
+    ("VLLM_GDN_REPLAYSSM_RING", "sixteen"),
+    ("VLLM_GDN_REPLAYSSM_STRICT", "2"),
+    ("VLLM_GDN_REPLAYSSM_RING_DTYPE", "int8"),
+])
+def test_invalid_environment_values_name_the_variable(var, value):
+    with pytest.raises(options.OptionError) as e:
+        options.from_env({"VLLM_GDN_REPLAYSSM": "1", var: value})
+    assert var in str(e.value) and "accepted values" in str(e.value)
+
+
+def test_environment_defaults_and_values():
+    assert options.from_env({}) == options.Options(enabled=False, ring_len=16, strict=False)
+    o = options.from_env({"VLLM_GDN_REPLAYSSM": "on", "VLLM_GDN_REPLAYSSM_RING": "32",
+                          "VLLM_GDN_REPLAYSSM_STRICT": "true", "VLLM_GDN_REPLAYSSM_RING_DTYPE": "float32"})
+    assert o == options.Options(enabled=True, ring_len=32, strict=True, ring_dtype="float32")
+    assert options.from_env(o.to_env()) == o
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"ring_len": 0}, "ring_len"), ({"ring_len": 100}, "ring_len"), ({"ring_len": 2.5}, "ring_len"),
+    ({"enable": "yes"}, "enable"), ({"strict": 1}, "strict"), ({"ring_dtype": "fp8"}, "ring_dtype"),
+])
+def test_patch_rejects_bad_arguments_without_touching_anything(kwargs, name, monkeypatch):
+    import replayssm_patch
+
+    monkeypatch.delenv("VLLM_GDN_REPLAYSSM", raising=False)
+    with pytest.raises(replayssm_patch.OptionError) as e:
+        replayssm_patch.patch(**kwargs)
+    assert name in str(e.value)
+    assert "VLLM_GDN_REPLAYSSM" not in os.environ
+    assert replayssm_patch.status()["applied"] is False
+
+
+# -- version gate and probes --------------------------------------------------------------------
+def test_probes_pass_on_installed_vllm():
+    assert versions.run_probes(cpu=True) == []
+    assert versions.runtime_kernel_signatures() == []
+
+
+def test_probe_detects_a_changed_patch_point():
+    src = versions.installed_source(versions.QWEN_GDN)
+    changed = src.replace("def _forward_core(\n        self,\n        mixed_qkv", "def _forward_core(\n        self,\n        qkv", 1)
+    assert changed != src
+    failures = versions.run_probes(lambda p: changed if p == versions.QWEN_GDN else versions.installed_source(p))
+    assert any("_forward_core" in f for f in failures), failures
+    missing = versions.run_probes(lambda p: None if p == versions.GDN_BUILDER else versions.installed_source(p))
+    assert any("gdn_attn.py missing" in f for f in missing)
+
+
+RELEASES = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+
+
+@pytest.fixture(scope="module")
+def wheel_dir():
+    d = Path(os.environ.get("REPLAYSSM_WHEEL_CACHE", Path.home() / ".cache" / "replayssm-patch" / "wheels"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_probes_pass_on_released_vllm_sources(release, wheel_dir):
+    """The released CUDA wheels are read as zip files (never imported) and probed."""
+    wheels = list(wheel_dir.glob(f"vllm-{release}-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={release}",
+                        "-d", str(wheel_dir)], check=True, timeout=900)
+        wheels = list(wheel_dir.glob(f"vllm-{release}-*.whl"))
+    with zipfile.ZipFile(wheels[0]) as z:
+        names = set(z.namelist())
+        read = lambda p: z.read(p).decode() if p in names else None  # noqa: E731
+        assert versions.run_probes(read, cpu=False) == []
+        assert versions.run_probes(read, cpu=True) == []
+
+
+def test_version_range():
+    ok = [versions.parse_version(v) for v in ("0.29.0", "0.31.0", "0.32.0+cpu", "0.33.1")]
+    bad = [versions.parse_version(v) for v in ("0.28.2", "0.34.0", "1.0.0")]
+    assert all(versions.version_in_range(v) for v in ok)
+    assert not any(versions.version_in_range(v) for v in bad)
+
+
+@pytest.fixture
+def clean_patch_state():
+    from replayssm_patch import patching
+
+    patching.revert()
+    yield patching
+    patching.revert()
+    patching.apply(options.Options(enabled=False))
+
+
+def test_out_of_range_version_is_refused_cleanly(clean_patch_state, monkeypatch):
+    patching = clean_patch_state
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.28.0")
+    report = patching.apply(options.Options(enabled=True))
+    assert report["applied"] is False and report["patched"] == []
+    assert "outside the supported range" in report["reasons"][0]
+    with pytest.raises(patching.PatchRefused, match="outside the supported range"):
+        patching.apply(options.Options(enabled=True, ring_len=8, strict=True))
+
+
+def test_unsloth_backport_is_not_doubled(clean_patch_state, monkeypatch):
+    monkeypatch.setenv("UNSLOTH_VLLM_REPLAYSSM", "1")
+    report = clean_patch_state.apply(options.Options(enabled=True))
+    assert report["applied"] is False and "unsloth" in report["reasons"][0]
+
+
+def test_layer_already_replaced_by_someone_else(clean_patch_state):
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    class Other:
+        pass
+
+    op_registry_oot["QwenGatedDeltaNetAttention"] = Other
+    try:
+        report = clean_patch_state.apply(options.Options(enabled=True))
+    finally:
+        op_registry_oot.pop("QwenGatedDeltaNetAttention", None)
+    assert report["applied"] is False and "already replaced" in report["reasons"][0]
+
+
+def test_apply_and_revert_restore_vllm(clean_patch_state):
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as mod
+
+    native = mod.fused_recurrent_gated_delta_rule_packed_decode
+    report = clean_patch_state.apply(options.Options(enabled=True))
+    assert report["applied"], report
+    assert op_registry_oot["QwenGatedDeltaNetAttention"].__name__ == "ReplayQwenGDN"
+    assert mod.fused_recurrent_gated_delta_rule_packed_decode is not native
+    assert clean_patch_state.apply(options.Options(enabled=True))["applied"]  # idempotent
+    clean_patch_state.revert()
+    assert "QwenGatedDeltaNetAttention" not in op_registry_oot
+    assert mod.fused_recurrent_gated_delta_rule_packed_decode is native
+
+
+# -- per-config fallback reasons ----------------------------------------------------------------
+def fake_config(**over):
+    hf = SimpleNamespace(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                         linear_value_head_dim=128)
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=hf, dtype=torch.bfloat16, architecture="Qwen3_5ForCausalLM"),
+        cache_config=SimpleNamespace(mamba_cache_dtype="auto", mamba_ssm_cache_dtype="float32",
+                                     mamba_cache_mode="align"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None, lora_config=None, kv_transfer_config=None,
+    )
+    for path, value in over.items():
+        obj = cfg
+        *parents, leaf = path.split(".")
+        for p in parents:
+            obj = getattr(obj, p)
+        setattr(obj, leaf, value)
+    return cfg
+
+
+ON = options.Options(enabled=True)
+
+
+def test_plan_for_a_supported_config():
+    from replayssm_patch.ring_plan import plan_for
+
+    plan, reasons = plan_for(fake_config(), ON)
+    assert reasons == [] and plan.num_v_heads == 32 and plan.ring_dtype == torch.bfloat16
+    assert plan.state_dtype == torch.float32
+    # d: 32*16*128*2, k: 16*16*128*2, g: 32*16*4 bytes
+    assert plan.bytes_per_slot == 32 * 16 * 128 * 2 + 16 * 16 * 128 * 2 + 32 * 16 * 4
+    tp2, _ = plan_for(fake_config(**{"parallel_config.tensor_parallel_size": 2}), ON)
+    assert tp2.num_v_heads == 16 and tp2.num_k_heads == 8
+    f32, _ = plan_for(fake_config(), options.Options(enabled=True, ring_dtype="float32"))
+    assert f32.ring_dtype == torch.float32
+
+
+@pytest.mark.parametrize("override,reason", [
+    ({"speculative_config": SimpleNamespace(num_speculative_tokens=3)}, "speculative decoding"),
+    ({"lora_config": object()}, "LoRA"),
+    ({"kv_transfer_config": object()}, "KV connector"),
+    ({"parallel_config.pipeline_parallel_size": 2}, "pipeline parallel"),
+    ({"cache_config.mamba_ssm_cache_dtype": "fp8"}, "SSM state dtype"),
+    ({"model_config.hf_text_config.linear_key_head_dim": 96}, "head dims"),
+    ({"cache_config.mamba_cache_mode": "all"}, "mamba_cache_mode"),
+    ({"parallel_config.tensor_parallel_size": 3}, "tensor_parallel_size"),
+    ({"model_config.hf_text_config": SimpleNamespace()}, "no Gated DeltaNet"),
+])
+def test_each_refusal_reason(override, reason):
+    from replayssm_patch.ring_plan import plan_for
+
+    plan, reasons = plan_for(fake_config(**override), ON)
+    assert plan is None and any(reason in r for r in reasons), reasons
+    assert plan_for(fake_config(**override), options.Options(enabled=False))[0] is None
