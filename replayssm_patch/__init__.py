@@ -27,7 +27,9 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
     ring_len: replay entries per cache slot, 1..64; the checkpoint is written once every
         `ring_len` decode steps (default 16).
     strict: raise instead of falling back to vLLM's native decode with a logged reason.
-    ring_dtype: "auto" (activation dtype) or "float32" for the ring's d/k entries.
+    ring_dtype: dtype of the ring's d/k entries: "auto" (fp32 for an fp32 SSM state, else the
+        activation dtype), "activation" (always the activation dtype: half the ring bytes) or
+        "float32".
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """

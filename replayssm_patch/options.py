@@ -16,7 +16,7 @@ ENV_RING_DTYPE = "VLLM_GDN_REPLAYSSM_RING_DTYPE"
 
 DEFAULT_RING_LEN = 16
 MIN_RING_LEN, MAX_RING_LEN = 1, 64
-RING_DTYPES = ("auto", "float32")
+RING_DTYPES = ("auto", "activation", "float32")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -31,7 +31,8 @@ class Options:
     enabled: bool = False
     ring_len: int = DEFAULT_RING_LEN
     strict: bool = False
-    # "auto": ring d/k in the activation dtype; "float32": always fp32 (more memory, more precise)
+    # ring d/k dtype: "auto" = fp32 for an fp32 state, else the activation dtype;
+    # "activation" = always the activation dtype (half the ring bytes); "float32" = always fp32
     ring_dtype: str = "auto"
 
     def to_env(self) -> dict[str, str]:

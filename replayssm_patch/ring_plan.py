@@ -72,6 +72,20 @@ def state_dtype_of(vllm_config) -> torch.dtype:
     )[1]
 
 
+def ring_dtype_for(choice: str, state_dtype: torch.dtype, activation_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the ring's d and k entries.
+
+    "auto" keeps the checkpoint's precision: an fp32 state gets an fp32 ring (vLLM's native
+    decode never rounds d to 16 bits, and measured on CPU a bf16 ring moves greedy outputs
+    further from native than vLLM's own batch-size variance does); a 16-bit state gets the
+    activation dtype. "activation" always uses the activation dtype (half the ring bytes);
+    "float32" always fp32.
+    """
+    if choice == "float32" or (choice == "auto" and state_dtype == torch.float32):
+        return torch.float32
+    return activation_dtype
+
+
 def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]:
     """Return (plan, []) when the ring can serve this config, else (None, reasons)."""
     from vllm.platforms import current_platform
@@ -118,6 +132,5 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
         reasons.append(f"platform {type(current_platform).__name__} (supported: CUDA, CPU)")
     if reasons:
         return None, reasons
-    act = mc.dtype
-    ring_dtype = torch.float32 if (options.ring_dtype == "float32" or act == torch.float32) else act
+    ring_dtype = ring_dtype_for(options.ring_dtype, state_dtype, mc.dtype)
     return RingPlan(H // tp, HV // tp, K, V, options.ring_len, ring_dtype, state_dtype), []

@@ -186,13 +186,18 @@ def test_plan_for_a_supported_config():
     from replayssm_patch.ring_plan import plan_for
 
     plan, reasons = plan_for(fake_config(), ON)
-    assert reasons == [] and plan.num_v_heads == 32 and plan.ring_dtype == torch.bfloat16
+    assert reasons == [] and plan.num_v_heads == 32 and plan.ring_dtype == torch.float32
     assert plan.state_dtype == torch.float32
-    # d: 32*16*128*2, k: 16*16*128*2, g: 32*16*4 bytes
-    assert plan.bytes_per_slot == 32 * 16 * 128 * 2 + 16 * 16 * 128 * 2 + 32 * 16 * 4
+    # d: 32*16*128*4, k: 16*16*128*4, g: 32*16*4 bytes
+    assert plan.bytes_per_slot == 32 * 16 * 128 * 4 + 16 * 16 * 128 * 4 + 32 * 16 * 4
+    half, _ = plan_for(fake_config(), options.Options(enabled=True, ring_dtype="activation"))
+    assert half.ring_dtype == torch.bfloat16
+    bf16_state, _ = plan_for(fake_config(**{"cache_config.mamba_ssm_cache_dtype": "bfloat16"}), ON)
+    assert bf16_state.ring_dtype == torch.bfloat16 and bf16_state.state_dtype == torch.bfloat16
     tp2, _ = plan_for(fake_config(**{"parallel_config.tensor_parallel_size": 2}), ON)
     assert tp2.num_v_heads == 16 and tp2.num_k_heads == 8
-    f32, _ = plan_for(fake_config(), options.Options(enabled=True, ring_dtype="float32"))
+    f32, _ = plan_for(fake_config(**{"cache_config.mamba_ssm_cache_dtype": "bfloat16"}),
+                      options.Options(enabled=True, ring_dtype="float32"))
     assert f32.ring_dtype == torch.float32
 
 

@@ -31,7 +31,9 @@ def _gdn_layers_info(model):
             if ring is not None:
                 content += sum(t[0].numel() * t.element_size() for t in (ring.g, ring.d, ring.k))
             info.append({"name": name, "cls": type(mod).__name__, "ring": ring is not None,
-                         "content_bytes_per_slot": content})
+                         "content_bytes_per_slot": content,
+                         # slots whose ring holds entries right now: the ring really carries state
+                         "slots_with_ring_entries": int((ring.cursor > 0).sum()) if ring is not None else 0})
     return info
 
 
