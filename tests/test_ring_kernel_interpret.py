@@ -138,11 +138,20 @@ def case_fp32_gqa2_blocks():
                        adt=torch.float32, steps=9, config=(16, 1, True), full_ring=True, tol_out=1e-5, tol_state=1e-5)
 
 
+def case_fp32_grouped_heads_two_blocks():
+    import torch
+
+    # One program per key head looping over its 2 value heads, V in two blocks of 16.
+    return _run_cycles(H=2, HV=4, K=32, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
+                       adt=torch.float32, steps=9, config=(16, 1, False, True), full_ring=True,
+                       seed=6, tol_out=1e-5, tol_state=1e-5)
+
+
 def case_fp32_masked_ring_force_flush_start_empty():
     import torch
 
     return _run_cycles(H=1, HV=3, K=16, V=32, L=5, sdt=torch.float32, rdt=torch.float32,
-                       adt=torch.float32, steps=11, config=(32, 1, False), use_force=True,
+                       adt=torch.float32, steps=11, config=(32, 1, False, True), use_force=True,
                        use_start_empty=True, full_ring=True, seed=1, tol_out=1e-5, tol_state=1e-5)
 
 
@@ -238,6 +247,7 @@ def case_rejects_bad_inputs():
 
 CASES = [
     case_fp32_gqa2_blocks,
+    case_fp32_grouped_heads_two_blocks,
     case_fp32_masked_ring_force_flush_start_empty,
     case_bf16_state_bf16_ring_gqa8_out4,
     case_fp16_state_strided_k64,

@@ -59,17 +59,20 @@ def _ring_decode_kernel(
     stride_qkv, stride_a, stride_b, stride_idx, stride_ff, stride_se,
     slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr, HPP: tl.constexpr,
     HAS_FF: tl.constexpr, HAS_SE: tl.constexpr, L2NORM: tl.constexpr,
     PREFETCH_RING: tl.constexpr,
 ):
+    # Program = (row, block of HPP value heads that share one key head, block of BV values).
     pid = tl.program_id(0)
+    NHB: tl.constexpr = HV // HPP
     i_v = pid % NV
-    i_hv = (pid // NV) % HV
-    i_n = pid // (NV * HV)
+    i_hb = (pid // NV) % NHB
+    i_n = pid // (NV * NHB)
     GROUP: tl.constexpr = HV // H
-    P: tl.constexpr = HV * NV  # programs per row: all of them take one cursor ticket
-    i_h = i_hv // GROUP
+    P: tl.constexpr = NHB * NV  # programs per row: all of them take one cursor ticket
+    hv0 = i_hb * HPP
+    i_h = hv0 // GROUP
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -78,98 +81,120 @@ def _ring_decode_kernel(
     m_v = o_v < V
     m_l = o_l < L
     m_vk = m_v[:, None] & m_k[None, :]
+    row = i_n.to(tl.int64)
 
-    p_out = out + (i_n.to(tl.int64) * HV + i_hv) * V + o_v
-    slot = tl.load(idx + i_n.to(tl.int64) * stride_idx).to(tl.int64)
+    p_out = out + (row * HV + hv0) * V + o_v
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
     if slot <= 0:
         # NULL block (0) or padding (-1): zero output, touch nothing else.
-        tl.store(p_out, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=m_v)
+        for i in tl.static_range(HPP):
+            tl.store(p_out + i * V, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=m_v)
         return
 
-    # Everything that does not depend on the cursor is issued before the ticket, so the
-    # atomic's round trip overlaps the big checkpoint read.
-    p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-    S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
-
-    p_x = qkv + i_n.to(tl.int64) * stride_qkv
+    # Per row and key head: q, k and the ring's keys, shared by the HPP value heads below.
+    p_x = qkv + row * stride_qkv
     q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    v = tl.load(p_x + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    a_t = tl.load(a + i_n.to(tl.int64) * stride_a + i_hv).to(tl.float32)
-    b_t = tl.load(b + i_n.to(tl.int64) * stride_b + i_hv).to(tl.float32)
-    A_t = tl.load(A_log + i_hv).to(tl.float32)
-    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
-
-    p_g = ring_g + slot * slot_stride_g + i_hv * L
-    Gr = tl.load(p_g + o_l, mask=m_l, other=0.0)
-    p_d = ring_d + slot * slot_stride_d + i_hv * (L * V) + o_l[:, None] * V + o_v[None, :]
-    p_k = ring_k + slot * slot_stride_k + i_h * (L * K) + o_l[:, None] * K + o_k[None, :]
+    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
+    p_k = p_kr + o_l[:, None] * K + o_k[None, :]
     if PREFETCH_RING:
-        # Latency-bound launches: read all L entries without waiting for the cursor.
-        rd = tl.load(p_d, mask=m_l[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        rk = tl.load(p_k, mask=m_l[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        # Latency-bound launches: read all L entries without waiting for the cursor ticket.
+        rk = tl.load(p_k, mask=m_l[:, None] & m_k[None, :], other=0.0)
 
     ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
     n = ticket & 0xFFFF
     arrivals = ticket >> 16
     if HAS_SE:
-        if tl.load(start_empty + i_n.to(tl.int64) * stride_se) != 0:
+        if tl.load(start_empty + row * stride_se) != 0:
             n = n * 0
     n = tl.minimum(n, L)
     live = o_l < n
+    m_ring = m_l if PREFETCH_RING else live  # bandwidth-bound launches read the n live entries
 
     if not PREFETCH_RING:
-        # Bandwidth-bound launches: read only the n committed entries.
-        rd = tl.load(p_d, mask=live[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        rk = tl.load(p_k, mask=live[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # Entries at >= n may hold anything (stale, poison, a sibling's write): select, not scale.
-    rd = tl.where(live[:, None], rd, 0.0)
-    rk = tl.where(live[:, None], rk, 0.0)
+        rk = tl.load(p_k, mask=live[:, None] & m_k[None, :], other=0.0)
+    rk = rk.to(tl.float32)
 
     if L2NORM:
         q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
         k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
     q = q * scale
-    x = a_t + dtb
-    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-    g = -tl.exp(A_t) * softplus
-    alpha = tl.exp(g)
-    beta = 1.0 / (1.0 + tl.exp(-b_t))
-
-    G_n = tl.sum(tl.where(o_l == n - 1, Gr, 0.0))  # 0 when the ring is empty
-    w = tl.where(live, tl.exp(G_n - Gr), 0.0)
-    eG = tl.exp(G_n)
-    kq = tl.sum(rk * q[None, :], 1)  # [LP]: k_j . q
-    kk = tl.sum(rk * k[None, :], 1)  # [LP]: k_j . k
-    Sq = eG * tl.sum(S * q[None, :], 1) + tl.sum(rd * (w * kq)[:, None], 0)
-    Sk = eG * tl.sum(S * k[None, :], 1) + tl.sum(rd * (w * kk)[:, None], 0)
-
-    d = beta * (v - alpha * Sk)
-    o = alpha * Sq + d * tl.sum(k * q)
-    tl.store(p_out, o.to(out.dtype.element_ty), mask=m_v)
+    # Entries at >= n may hold anything (stale, poison, a sibling's write): select the
+    # reduced values, never scale them by 0 (NaN * 0 = NaN).
+    kq = tl.where(live, tl.sum(rk * q[None, :], 1), 0.0)  # [LP]: k_j . q
+    kk = tl.where(live, tl.sum(rk * k[None, :], 1), 0.0)  # [LP]: k_j . k
+    k_dot_q = tl.sum(k * q)
 
     flush = n + 1 >= L
     if HAS_FF:
-        flush = flush | (tl.load(force_flush + i_n.to(tl.int64) * stride_ff) != 0)
-    if flush:
-        # S_prev = exp(G_n) S_c + sum_j w_j d_j k_j^T on the tile we hold; fp32 FMA (ieee),
-        # never tf32 or a rounded low-precision operand.
-        dw = tl.trans(rd * w[:, None])  # [BV, LP]
-        S = tl.dot(dw, rk, acc=S * eG, input_precision="ieee")
-        S = alpha * S + d[:, None] * k[None, :]
-        tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
-        new_n = n * 0
-    else:
-        p_dn = ring_d + slot * slot_stride_d + i_hv * (L * V) + n * V + o_v
-        tl.store(p_dn, d.to(ring_d.dtype.element_ty), mask=m_v)
+        flush = flush | (tl.load(force_flush + row * stride_ff) != 0)
+
+    for i in range(HPP):
+        hv = hv0 + i
+        p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[:, None] * K + o_k[None, :]
+        S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
+        p_g = ring_g + slot * slot_stride_g + hv * L
+        p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
+        rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=m_ring[:, None] & m_v[None, :], other=0.0)
+        Gr = tl.load(p_g + o_l, mask=m_ring, other=0.0)
+        v = tl.load(p_x + 2 * H * K + hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        a_t = tl.load(a + row * stride_a + hv).to(tl.float32)
+        b_t = tl.load(b + row * stride_b + hv).to(tl.float32)
+        A_t = tl.load(A_log + hv).to(tl.float32)
+        dtb = tl.load(dt_bias + hv).to(tl.float32)
+
+        x = a_t + dtb
+        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+        g = -tl.exp(A_t) * softplus
+        alpha = tl.exp(g)
+        beta = 1.0 / (1.0 + tl.exp(-b_t))
+
+        if PREFETCH_RING:
+            rd = tl.where(live[:, None], rd.to(tl.float32), 0.0)
+        else:  # masked load: entries >= n already read as 0
+            rd = rd.to(tl.float32)
+        G_n = tl.sum(tl.where(o_l == n - 1, Gr, 0.0))  # 0 when the ring is empty
+        w = tl.where(live, tl.exp(G_n - Gr), 0.0)
+        eG = tl.exp(G_n)
+        Sq = eG * tl.sum(S * q[None, :], 1) + tl.sum(rd * (w * kq)[:, None], 0)
+        Sk = eG * tl.sum(S * k[None, :], 1) + tl.sum(rd * (w * kk)[:, None], 0)
+
+        d = beta * (v - alpha * Sk)
+        o = alpha * Sq + d * k_dot_q
+        tl.store(p_out + i * V, o.to(out.dtype.element_ty), mask=m_v)
+
+        if flush:
+            # S_prev = exp(G_n) S_c + sum_{j<n} w_j d_j k_j^T on the tile we hold, as rank-1
+            # fp32 updates (never tf32, never a rounded low-precision product); entry j+1 is
+            # loaded (L1/L2 hits: read just above) while entry j is applied.
+            S = S * eG
+            # (entry 0 always exists; the prefetch index is clamped, its last value unused)
+            d_c = tl.load(p_dr + o_v, mask=m_v, other=0.0).to(tl.float32)
+            k_c = tl.load(p_kr + o_k, mask=m_k, other=0.0).to(tl.float32)
+            g_c = tl.load(p_g)
+            for j in range(0, n):
+                jn = tl.minimum(j + 1, L - 1)
+                d_x = tl.load(p_dr + jn * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                k_x = tl.load(p_kr + jn * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                g_x = tl.load(p_g + jn)
+                S += (tl.exp(G_n - g_c) * d_c)[:, None] * k_c[None, :]
+                d_c = d_x
+                k_c = k_x
+                g_c = g_x
+            S = alpha * S + d[:, None] * k[None, :]
+            tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
+        else:
+            tl.store(p_dr + n * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
+            if i_v == 0:
+                tl.store(p_g + n, G_n + g)
+
+    if not flush:
         if i_v == 0:
-            tl.store(p_g + n, G_n + g)
-            if i_hv % GROUP == 0:
-                p_kn = ring_k + slot * slot_stride_k + i_h * (L * K) + n * K + o_k
-                tl.store(p_kn, k.to(ring_k.dtype.element_ty), mask=m_k)
-        new_n = n + 1
+            if hv0 % GROUP == 0:  # one program per key head appends the key
+                tl.store(p_kr + n * K + o_k, k.to(ring_k.dtype.element_ty), mask=m_k)
     if arrivals == P - 1:
         # Last of the row's P programs to take a ticket: everyone has read n.
+        new_n = tl.where(flush, 0, n + 1)
         tl.atomic_xchg(cursor + slot, new_n, sem="relaxed")
 
 
@@ -190,10 +215,8 @@ def _ring_materialize_kernel(
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_l = tl.arange(0, LP)
     m_k = o_k < K
     m_v = o_v < V
-    m_l = o_l < L
     m_vk = m_v[:, None] & m_k[None, :]
 
     slot = tl.load(slots + i_n.to(tl.int64) * stride_slots).to(tl.int64)
@@ -201,24 +224,20 @@ def _ring_materialize_kernel(
         return
     p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
     p_g = ring_g + slot * slot_stride_g + i_hv * L
-    p_d = ring_d + slot * slot_stride_d + i_hv * (L * V) + o_l[:, None] * V + o_v[None, :]
-    p_k = ring_k + slot * slot_stride_k + i_h * (L * K) + o_l[:, None] * K + o_k[None, :]
 
     ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
     n = tl.minimum(ticket & 0xFFFF, L)
     arrivals = ticket >> 16
     if n > 0:
-        live = o_l < n
         S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
-        Gr = tl.load(p_g + o_l, mask=m_l, other=0.0)
-        rd = tl.load(p_d, mask=live[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        rk = tl.load(p_k, mask=live[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        rd = tl.where(live[:, None], rd, 0.0)
-        rk = tl.where(live[:, None], rk, 0.0)
-        G_n = tl.sum(tl.where(o_l == n - 1, Gr, 0.0))
-        w = tl.where(live, tl.exp(G_n - Gr), 0.0)
-        dw = tl.trans(rd * w[:, None])
-        S = tl.dot(dw, rk, acc=S * tl.exp(G_n), input_precision="ieee")
+        G_n = tl.load(p_g + n - 1)
+        S = S * tl.exp(G_n)
+        p_dr = ring_d + slot * slot_stride_d + i_hv * (L * V)
+        p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
+        for j in range(0, n):  # rank-1 fp32 updates, as in the decode kernel's flush
+            d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            S += (tl.exp(G_n - tl.load(p_g + j)) * d_j)[:, None] * k_j[None, :]
         tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
     # An empty ring leaves the checkpoint untouched (bit-identical).
     if arrivals == P - 1:
@@ -312,27 +331,30 @@ def _ring_geometry(state, ring_d, ring_k, ring_g, cursor):
     return H, HV, K, V, L, strides
 
 
-# Launch configurations, (BV, num_warps, prefetch_ring), chosen from the number of rows and
-# value heads. Measured on an H200 by benchmarks/kernel_decode.py (see its results file):
-#   * few (row, head) pairs: latency bound; many small programs (BV=16, 1 warp) fill the
-#     132 SMs and all ring entries are read without waiting for the cursor ticket.
-#   * many pairs: bandwidth bound; whole-V programs read each state byte once with the
-#     least redundant q/k/ring-k work, and only the n live ring entries are read.
-def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device) -> tuple[int, int, bool]:
-    """(BV, num_warps, prefetch_ring) for a decode launch of N rows."""
-    BK = triton.next_power_of_2(K)
+# Launch configurations: (BV, num_warps, prefetch_ring, group_heads).
+#   BV            value rows per program (V split into cdiv(V, BV) blocks)
+#   num_warps     warps per program
+#   prefetch_ring read all L ring entries without waiting for the cursor ticket (latency
+#                 bound launches) instead of only the n live ones (bandwidth bound launches)
+#   group_heads   one program loops over the HV/H value heads of a key head, so q, k and the
+#                 ring-key dot products are done once per key head instead of once per value
+#                 head (fewer instructions per state byte; fewer, longer programs)
+# Chosen from the number of rows (see benchmarks/results/kernel_decode.md for the sweep).
+def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device,
+                       H: int | None = None) -> tuple[int, int, bool, bool]:
+    """(BV, num_warps, prefetch_ring, group_heads) for a decode launch of N rows."""
     bv_max = max(16, triton.next_power_of_2(V))
     sms = _num_sms(torch.device(device))
+    H = H or HV
+    if N * H >= 4 * sms:  # bandwidth bound: whole-V tiles, one program per key head
+        return min(128, bv_max), 4, False, True
     pairs = N * HV
-    prefetch = pairs <= 4 * sms
     BV = 16
-    for cand in (128, 64, 32, 16):
+    for cand in (64, 32, 16):
         if cand <= bv_max and pairs * triton.cdiv(V, cand) >= 4 * sms:
             BV = cand
             break
-    BV = min(BV, bv_max)
-    num_warps = max(1, min(8, BV * BK // 4096))
-    return BV, num_warps, prefetch
+    return min(BV, bv_max), (2 if BV >= 32 else 1), True, False
 
 
 def ring_decode(
@@ -353,13 +375,14 @@ def ring_decode(
     start_empty: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
     *,
-    config: tuple[int, int, bool] | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
     """One decode token per row through the replay ring (semantics of `ring_decode_reference`).
 
     Writes `out` ([N, HV, V] or [N, 1, HV, V], contiguous) and updates state / rings / cursor in
     place on the GPU: no host sync, nothing allocated, safe to capture in a CUDA graph.
-    `config` = (BV, num_warps, prefetch_ring) overrides the launch heuristic (benchmarks).
+    `config` = (BV, num_warps, prefetch_ring[, group_heads]) overrides the launch heuristic
+    (`pick_decode_config`; for benchmarks and tests).
     Returns `out` viewed as [N, HV, V].
     """
     H, HV, K, V, L, (ss, sd, sk, sg) = _ring_geometry(state, ring_d, ring_k, ring_g, cursor)
@@ -393,15 +416,16 @@ def ring_decode(
 
     BK = triton.next_power_of_2(K)
     if config is None:
-        config = pick_decode_config(N, HV, K, V, state.dtype, dev)
-    BV, num_warps, prefetch = config
+        config = pick_decode_config(N, HV, K, V, state.dtype, dev, H)
+    BV, num_warps, prefetch = config[:3]
+    HPP = HV // H if (len(config) > 3 and config[3]) else 1
     BV = min(BV, max(16, triton.next_power_of_2(V)))
     NV = triton.cdiv(V, BV)
-    if HV * NV >= 1 << (31 - _TICKET_SHIFT):
-        raise ValueError(f"too many programs per row ({HV * NV}) for the cursor ticket")
+    if (HV // HPP) * NV >= 1 << (31 - _TICKET_SHIFT):
+        raise ValueError(f"too many programs per row ({(HV // HPP) * NV}) for the cursor ticket")
     LP = max(16, triton.next_power_of_2(L))
 
-    grid = (N * HV * NV,)
+    grid = (N * (HV // HPP) * NV,)
     _ring_decode_kernel[grid](
         mixed_qkv, a, b, A_log, dt_bias, out, state, state_indices,
         ring_d, ring_k, ring_g, cursor,
@@ -409,7 +433,7 @@ def ring_decode(
         float(scale),
         mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_ff, s_se,
         ss, sd, sk, sg,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV, HPP=HPP,
         HAS_FF=ff is not None, HAS_SE=se is not None, L2NORM=bool(use_qk_l2norm),
         PREFETCH_RING=bool(prefetch),
         num_warps=num_warps, num_stages=1,

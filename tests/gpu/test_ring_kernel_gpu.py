@@ -203,6 +203,9 @@ CASES = [
     ("gqa2_fp32_bv64_masked", 2, 4, 128, 128, 16, F32, F32, (64, 2, False)),
     ("gqa4_bf16_bv16_prefetch", 2, 8, 128, 128, 16, BF16, BF16, (16, 1, True)),
     ("k64_fp16_bv64_masked", 2, 4, 64, 64, 16, F16, F16, (64, 2, False)),
+    ("gqa4_fp32_grouped_bv128", 2, 8, 128, 128, 16, F32, F32, (128, 4, False, True)),
+    ("gqa8_bf16_grouped_bv64", 1, 8, 128, 128, 16, BF16, BF16, (64, 2, False, True)),
+    ("gqa3_fp16_grouped_prefetch", 2, 6, 128, 128, 16, F16, F16, (32, 1, True, True)),
 ]
 
 
