@@ -378,7 +378,7 @@ def finalize(rows, meta):
         # replays: fewer repeats): what a launch table tuned on this run would give.
         "min_speedup_best_config": min(r["best_speedup"] for r in rows),
         "min_roofline_fraction_b64plus_best_config": (
-            min(r["roofline_us"] / r["sweep_us"][r["best_config"]] for r in big) if big else None),
+            round(min(r["roofline_us"] / r["sweep_us"][r["best_config"]] for r in big), 4) if big else None),
         "copy_bandwidth_TBps": round(bw / 1e12, 4),
         "rows": len(rows),
         "target_speedup_ge_1_everywhere": all(r["speedup"] >= 1.0 for r in rows),
@@ -415,7 +415,7 @@ def render_md(res):
         f"max {s['max_speedup']}; min roofline fraction at batch >= 64 (fp32, fp16 state) = "
         f"**{s['min_roofline_fraction_b64plus']}**. With the fastest swept configuration per cell: "
         f"min speedup {s['min_speedup_best_config']}, min roofline fraction at B >= 64 "
-        f"{s['min_roofline_fraction_b64plus_best_config']:.4f}. Targets: speedup >= 1 everywhere: "
+        f"{s['min_roofline_fraction_b64plus_best_config']}. Targets: speedup >= 1 everywhere: "
         f"{s['target_speedup_ge_1_everywhere']}; roofline >= 0.9 at B >= 64: "
         f"{s['target_roofline_ge_0.9_b64plus_fp32_fp16']}.",
         "",
