@@ -77,7 +77,7 @@ RELEASES = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
 
 @pytest.fixture(scope="module")
 def wheel_dir():
-    d = Path(os.environ.get("REPLAYSSM_WHEEL_CACHE", Path.home() / ".cache" / "replayssm-patch" / "wheels"))
+    d = Path(os.environ.get("REPLAYSSM_TEST_CACHE", Path(__file__).resolve().parents[1] / ".work" / "test-cache")) / "wheels"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+from pathlib import Path
+
 from replayssm_patch.testing.agreement import compare
 
 pytestmark = pytest.mark.vllm
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.vllm
 if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
     pytest.importorskip("vllm")
 
+CACHE = Path(os.environ.get("REPLAYSSM_TEST_CACHE", Path(__file__).resolve().parents[1] / ".work" / "test-cache"))
 RING_LEN = 16
 MAX_TOKENS = 128  # >= 8 flushes of a 16-entry ring
 SHADOW_TOL = 2e-2  # relative error vs vLLM's kernel on exact states: bf16 output rounding
@@ -41,10 +44,10 @@ BASE = dict(load_format="safetensors", dtype="bfloat16", enforce_eager=True, max
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory):
+def models():
     from replayssm_patch.testing.tiny_models import build_tiny_model
 
-    root = os.environ.get("REPLAYSSM_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
+    root = str(CACHE / "tiny-models")
     return {
         "qwen3_5": str(build_tiny_model(root, "qwen3_5")),
         "qwen3_next": str(build_tiny_model(root, "qwen3_next")),
@@ -184,7 +187,7 @@ def test_speculative_config_falls_back_to_native(tmp_path):
     (same tokens as native) and the log gives the reason."""
     from replayssm_patch.testing.tiny_models import build_tiny_model
 
-    model = str(build_tiny_model(os.environ.get("REPLAYSSM_TEST_MODELS") or str(tmp_path), "qwen3_5", mtp_layers=1))
+    model = str(build_tiny_model(str(CACHE / "tiny-models"), "qwen3_5", mtp_layers=1))
     prompts = prompts_mixed(4, (10, 20))
     eng = dict(BASE, enable_prefix_caching=False, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     engines = [{"name": "mtp", "engine": eng, "prompts": prompts, "max_tokens": [24, 24]}]
