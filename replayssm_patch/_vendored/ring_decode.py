@@ -11,13 +11,24 @@ How a decode step works here (per row, per value head, per block of BV value cha
     w_j = exp(G_n - G_j), for x in {q, k}: O(n (K + BV)) work, no state tile is rebuilt.
     d = beta (v - alpha S k),   o = alpha S q + d (k . q)      (alpha = exp(g))
     not full:  append (d, k, G_n + g) at entry n, cursor = n + 1
-    flush:     S_new = alpha (exp(G_n) S_c + D_w^T K) + d k^T from the tile already held,
-               written in the state dtype; cursor = 0.
+    flush:     S_new = alpha (exp(G_n) S_c + sum_j w_j d_j k_j^T) + d k^T on the tile already
+               held (rank-1 fp32 updates, the next entry loaded while one is applied), written
+               in the state dtype; cursor = 0. (A tl.dot here spilled kilobytes of registers
+               under Triton 3.6 and made whole-V tiles 6-9x slower.)
 
-Grid: one program per (row, value head hv, value block), flattened to 1-D with the value
-block fastest, so the programs of one row and key head run next to each other (their q, k and
-ring k loads hit L2). Small batches use small value blocks (many programs, latency bound);
-large batches use whole-V tiles (fewer redundant q/k/ring-k loads per state byte).
+Grid: 1-D over (row, block of value heads, block of BV value rows), the value block fastest, so
+the programs of one row and key head run next to each other (q, k and ring-key loads hit L2).
+A head block is one value head, or (group_heads) all HV/H value heads of one key head, looped
+over inside the program so that q, k and the ring-key dot products k_j.q, k_j.k are computed
+once per key head. `pick_decode_config` chooses by batch size and state dtype.
+
+Where the time goes (H200, Triton 3.6; inferred from the timings and the SASS instruction
+counts, no hardware counters were read): the kernel is bound by instruction issue and latency,
+not by HBM bandwidth. Each program re-does per-row work (q/k normalisation, the
+ring-key dot products over L x K, gating) and Triton's reductions over K cost a shuffle tree per
+state row, so ~2-3k SASS instructions per 1-warp program. Native decode does the same
+reductions but moves twice the bytes, so at fp32 state we win (1.1-1.5x) and at 16-bit state
+the two are close. See benchmarks/results/kernel_decode.md.
 
 The cursor race. Every program of a row needs the row's cursor n, and the new cursor may only
 be written after all of them have read it. Triton has no grid-wide barrier, so the read itself
@@ -334,27 +345,46 @@ def _ring_geometry(state, ring_d, ring_k, ring_g, cursor):
 # Launch configurations: (BV, num_warps, prefetch_ring, group_heads).
 #   BV            value rows per program (V split into cdiv(V, BV) blocks)
 #   num_warps     warps per program
-#   prefetch_ring read all L ring entries without waiting for the cursor ticket (latency
-#                 bound launches) instead of only the n live ones (bandwidth bound launches)
+#   prefetch_ring read all L ring entries without waiting for the cursor ticket instead of
+#                 only the n live ones (saves a dependent memory round trip per program)
 #   group_heads   one program loops over the HV/H value heads of a key head, so q, k and the
 #                 ring-key dot products are done once per key head instead of once per value
 #                 head (fewer instructions per state byte; fewer, longer programs)
-# Chosen from the number of rows (see benchmarks/results/kernel_decode.md for the sweep).
+#
+# Table from the H200 sweep in benchmarks/results/kernel_decode.json (Triton 3.6; K=V=128,
+# L=16, bf16 activations and ring; pairs = rows x value heads, thresholds scaled by SMs/132):
+#
+#   state    pairs               GQA HV/H   config                 (measured best or tie)
+#   fp32     < 2048              any        (16, 1, prefetch)
+#   fp32     >= 8192             >= 4       (32, 1, prefetch, grouped)
+#   fp32     otherwise           any        (32, 1, prefetch)
+#   16-bit   <= 128              any        (16, 1, prefetch)
+#   16-bit   >= 16384            >= 4       (64, 2, masked, grouped)
+#   16-bit   otherwise           any        (32, 1, prefetch)
+#
+# Whole-V tiles with 4-8 warps (BV=128) measured slower everywhere (cross-warp reductions).
 def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device,
                        H: int | None = None) -> tuple[int, int, bool, bool]:
     """(BV, num_warps, prefetch_ring, group_heads) for a decode launch of N rows."""
     bv_max = max(16, triton.next_power_of_2(V))
-    sms = _num_sms(torch.device(device))
-    H = H or HV
-    if N * H >= 4 * sms:  # bandwidth bound: whole-V tiles, one program per key head
-        return min(128, bv_max), 4, False, True
-    pairs = N * HV
-    BV = 16
-    for cand in (64, 32, 16):
-        if cand <= bv_max and pairs * triton.cdiv(V, cand) >= 4 * sms:
-            BV = cand
-            break
-    return min(BV, bv_max), (2 if BV >= 32 else 1), True, False
+    scale = _num_sms(torch.device(device)) / 132.0
+    group = HV // H if H else 1
+    pairs = N * HV / scale
+    if state_dtype == torch.float32:
+        if pairs < 2048:
+            cfg = (16, 1, True, False)
+        elif pairs >= 8192 and group >= 4:
+            cfg = (32, 1, True, True)
+        else:
+            cfg = (32, 1, True, False)
+    else:
+        if pairs <= 128:
+            cfg = (16, 1, True, False)
+        elif pairs >= 16384 and group >= 4:
+            cfg = (64, 2, False, True)
+        else:
+            cfg = (32, 1, True, False)
+    return (min(cfg[0], bv_max),) + cfg[1:]
 
 
 def ring_decode(
