@@ -22,6 +22,11 @@ time, the live ring entries read, one ring entry written on non-flush steps, qkv
 output written) over the device-to-device copy bandwidth measured in the same run (a 4 GiB
 torch copy, bytes read + written).
 
+Each cell also times the swept launch configurations (SWEEP) of the same kernel. After a run,
+`--rescore results.json` re-picks every cell's configuration with the current launch table
+(ring_decode.pick_decode_config) and takes its time from that run's sweep, so a table tuned on
+a run is reported from that run's measurements (no GPU needed, nothing re-measured).
+
 Writes <out-dir>/kernel_decode.json (with a `summary`) and <out-dir>/kernel_decode.md.
 """
 
