@@ -218,3 +218,24 @@ def test_each_refusal_reason(override, reason):
     plan, reasons = plan_for(fake_config(**override), ON)
     assert plan is None and any(reason in r for r in reasons), reasons
     assert plan_for(fake_config(**override), options.Options(enabled=False))[0] is None
+
+
+# -- doctor -------------------------------------------------------------------------------------
+def test_doctor_reports_ring_layers_memory_and_fallback_reasons():
+    from replayssm_patch.testing.tiny_models import build_tiny_model
+
+    cache = Path(os.environ.get("REPLAYSSM_TEST_CACHE", Path(__file__).resolve().parents[1] / ".work" / "test-cache"))
+    model = str(build_tiny_model(str(cache / "tiny-models"), "qwen3_5"))
+
+    def doctor(*args):
+        p = subprocess.run([sys.executable, "-m", "replayssm_patch", "doctor", model, *args],
+                           capture_output=True, text=True, timeout=600)
+        return p.returncode, p.stdout
+
+    rc, out = doctor()
+    assert rc == 0, out
+    assert "patch would apply: yes" in out and "all 3 decode through the ring (L=16" in out
+    # fp32 state: 3 layers x 4 heads x 128 x 128 x 4 B = 0.75 MiB; fp32 ring: 3 x 24832 x 2 B
+    assert "state 0.75 MiB, ring +0.14 MiB" in out
+    rc, out = doctor("--num-speculative-tokens", "2", "--ring-len", "8")
+    assert rc == 1 and "speculative decoding is served by vLLM's native GDN path" in out

@@ -1,0 +1,100 @@
+"""`python -m replayssm_patch doctor [MODEL] [options]`: would the patch apply here, and to what?
+
+Prints the vLLM version and platform, whether the patch would apply in this environment (the
+version gate and every patch-point probe), and, for a model (a local path, or a Hugging Face id
+already in the local cache), which GDN layers would decode through the ring, the ring's cache
+memory per request, and every reason for falling back to vLLM's native decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import options as opts_mod
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _gdn_layer_count(hf_config) -> int:
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        return sum(t == "linear_attention" for t in types)
+    return int(getattr(hf_config, "num_hidden_layers", 0))
+
+
+def doctor(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m replayssm_patch doctor", description=__doc__)
+    ap.add_argument("model", nargs="?", help="model directory or cached Hugging Face id")
+    ap.add_argument("--ring-len", type=int, default=None, help="ring length (default: env or 16)")
+    ap.add_argument("--ring-dtype", default=None, choices=opts_mod.RING_DTYPES)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--dtype", default="auto", help="activation dtype, as vLLM's --dtype")
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", help="as vLLM's --mamba-ssm-cache-dtype")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens")
+    args = ap.parse_args(argv)
+
+    env_opts = opts_mod.from_env()
+    o = opts_mod.Options(
+        enabled=True,
+        ring_len=opts_mod.check_ring_len("--ring-len", args.ring_len) if args.ring_len else env_opts.ring_len,
+        ring_dtype=opts_mod.check_ring_dtype("--ring-dtype", args.ring_dtype or env_opts.ring_dtype),
+    )
+    from . import patching, versions
+
+    version = versions.installed_vllm_version()
+    print(f"vLLM: {version or 'not installed'} (supported {versions.SUPPORTED_RANGE})")
+    if version is None:
+        return 1
+    platform = patching._platform()
+    print(f"platform: {platform}")
+    print(f"enabled by environment: {env_opts.enabled} (VLLM_GDN_REPLAYSSM)")
+    reasons = patching._refusal_reasons(platform)
+    print("patch would apply: " + ("yes" if not reasons else "no"))
+    for r in reasons:
+        print(f"  - {r}")
+    if not args.model:
+        return 0 if not reasons else 1
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    ea = EngineArgs(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
+                    tensor_parallel_size=args.tensor_parallel_size,
+                    mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                    enable_prefix_caching=not args.no_prefix_caching)
+    if args.num_speculative_tokens:
+        ea.speculative_config = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
+    vllm_config = ea.create_engine_config()
+    from .ring_plan import plan_for
+
+    mc = vllm_config.model_config
+    plan, why = plan_for(vllm_config, o)
+    n_layers = _gdn_layer_count(mc.hf_text_config)
+    print(f"model: {args.model} ({mc.architecture}), {n_layers} GDN layers, "
+          f"mamba_cache_mode={vllm_config.cache_config.mamba_cache_mode}")
+    if plan is None:
+        print("GDN layers: vLLM's native decode, because:")
+        for r in why:
+            print(f"  - {r}")
+        return 1
+    print(f"GDN layers: all {n_layers} decode through the ring (L={plan.ring_len}, ring {plan.ring_dtype}, "
+          f"state {plan.state_dtype}; per rank: {plan.num_k_heads} key / {plan.num_v_heads} value heads)")
+    state, ring = plan.state_bytes_per_slot * n_layers, plan.bytes_per_slot * n_layers
+    print(f"cache per request and cache slot (all GDN layers, one rank): state {_mib(state)}, "
+          f"ring +{_mib(ring)} (+{100 * ring / state:.1f}%)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "doctor":
+        print("usage: python -m replayssm_patch doctor [MODEL] [options]  (--help for options)")
+        return 2
+    return doctor(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
