@@ -1,0 +1,189 @@
+"""End-to-end decode throughput of real vLLM, native vs patched, on a GPU.
+
+A Qwen3.5-9B-shaped dense model (hidden 4096, 32 layers of which 24 GDN with 16 key / 32
+value heads of 128; dummy weights, config written locally), fixed prompt and output lengths,
+`ignore_eos`. Each arm (native, patched) runs in its own process and measures every batch size
+in one engine. Per batch size it times a generate() with 1 output token and one with
+`--out-len` tokens; the difference is the decode time of `out_len - 1` steps, so prefill and
+time to first token are excluded.
+
+    python benchmarks/e2e_decode.py --out e2e.json [--batches 1,16,64,256] [--order AB]
+
+The Amdahl bound per batch size is computed from the native step time and, when given
+(`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
+dtype: bound = step / (step - layers * (t_native_kernel - t_ring_kernel)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIG_9B = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "silu",
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+GDN_LAYERS = 24
+
+
+def arm(args) -> None:
+    """One arm in this process: print RESULT_JSON with per-batch timings."""
+    if args.patched:
+        import replayssm_patch
+
+        report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype)
+        assert report["applied"], report
+    from vllm import LLM, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + 8,
+              max_num_seqs=max(batches), seed=0, skip_tokenizer_init=True, enable_prefix_caching=True,
+              mamba_ssm_cache_dtype=args.state_dtype, gpu_memory_utilization=0.85,
+              attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
+              compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode},
+              disable_log_stats=True)
+    start_s = time.perf_counter() - t0
+    res = {"engine_start_s": start_s, "batches": {}}
+    for b in batches:
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 150000 + 3 for j in range(args.in_len)]} for i in range(b)]
+
+        def timed(n):
+            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+            torch_sync()
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            torch_sync()
+            assert all(len(o.outputs[0].token_ids) == n for o in outs)
+            return time.perf_counter() - t
+
+        timed(4)  # warm this batch size (prefix cache: later prompts hit the cache equally in both arms)
+        t1 = min(timed(1) for _ in range(2))
+        tn = min(timed(args.out_len) for _ in range(args.repeats))
+        decode = tn - t1
+        steps = args.out_len - 1
+        res["batches"][b] = {"t_first_token_s": t1, "t_total_s": tn, "decode_s": decode,
+                             "step_ms": 1e3 * decode / steps,
+                             "per_request_tok_s": steps / decode, "aggregate_tok_s": b * steps / decode}
+        print(f"[{'patched' if args.patched else 'native'}] batch {b}: step {1e3 * decode / steps:.3f} ms, "
+              f"{b * steps / decode:.0f} tok/s aggregate", flush=True)
+    print("RESULT_JSON " + json.dumps(res), flush=True)
+
+
+def torch_sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernel_times(path, shape_key, state):
+    """{batch: (native_us, ours_us)} from the kernel benchmark JSON, if it has the shape."""
+    if not path or not os.path.exists(path):
+        return {}
+    data = json.load(open(path))
+    out = {}
+    for row in data.get("rows", []):
+        if row.get("shape") == shape_key and row.get("state_dtype") == state:
+            out[int(row["batch"])] = (row["native_us"], row["ours_us"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--in-len", type=int, default=128)
+    ap.add_argument("--out-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--ring-len", type=int, default=16)
+    ap.add_argument("--state-dtype", default="float32")
+    ap.add_argument("--order", default="AB", help="arm order, A = native, B = patched (e.g. ABBA)")
+    ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
+    ap.add_argument("--compile-mode", type=int, default=3, help="vLLM CompilationMode (3 = VLLM_COMPILE, 0 = none)")
+    ap.add_argument("--kernel-json", default=None)
+    ap.add_argument("--kernel-shape", default="qwen3-next", help="kernel benchmark shape with H=16, HV=32")
+    ap.add_argument("--ring-dtype", default="auto")
+    ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.arm:
+        args.patched = args.arm == "patched"
+        return arm(args)
+
+    workdir = tempfile.mkdtemp(prefix="replayssm-e2e-")
+    model = os.path.join(workdir, "qwen35-9b-shape")
+    os.makedirs(model)
+    json.dump(CONFIG_9B, open(os.path.join(model, "config.json"), "w"), indent=1)
+    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
+    env.pop("VLLM_GDN_REPLAYSSM", None)
+    runs = []
+    for a in args.order:
+        name = "native" if a == "A" else "patched"
+        cmd = [sys.executable, __file__, "--arm", name, "--model", model, "--batches", args.batches,
+               "--in-len", str(args.in_len), "--out-len", str(args.out_len), "--repeats", str(args.repeats),
+               "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
+               "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode)]
+        print(f"== arm {name}", flush=True)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        log = p.stdout + p.stderr
+        open(os.path.join(workdir, f"{len(runs)}_{name}.log"), "w").write(log)
+        if p.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{log[-6000:]}")
+        print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("[")), flush=True)
+        res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1][12:])
+        runs.append({"arm": name, **res})
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.state_dtype, args.state_dtype)
+    kt = kernel_times(args.kernel_json, args.kernel_shape, short)
+    table = {}
+    for b in [int(x) for x in args.batches.split(",")]:
+        nat = [r["batches"][str(b)] for r in runs if r["arm"] == "native"]
+        pat = [r["batches"][str(b)] for r in runs if r["arm"] == "patched"]
+        agg_n = sum(x["aggregate_tok_s"] for x in nat) / len(nat)
+        agg_p = sum(x["aggregate_tok_s"] for x in pat) / len(pat)
+        step_n = sum(x["step_ms"] for x in nat) / len(nat)
+        row = {"native_aggregate_tok_s": agg_n, "patched_aggregate_tok_s": agg_p, "speedup": agg_p / agg_n,
+               "native_step_ms": step_n, "patched_step_ms": sum(x["step_ms"] for x in pat) / len(pat),
+               "native_per_request_tok_s": sum(x["per_request_tok_s"] for x in nat) / len(nat),
+               "patched_per_request_tok_s": sum(x["per_request_tok_s"] for x in pat) / len(pat),
+               "native_ttft_proxy_s": nat[0]["t_first_token_s"], "patched_ttft_proxy_s": pat[0]["t_first_token_s"]}
+        if b in kt:
+            kn, ko = kt[b]
+            saved_ms = GDN_LAYERS * (kn - ko) / 1e3
+            row.update(kernel_native_us=kn, kernel_ours_us=ko, gdn_share_of_native_step=GDN_LAYERS * kn / 1e3 / step_n,
+                       amdahl_bound=step_n / (step_n - saved_ms), fraction_of_bound=(agg_p / agg_n) / (step_n / (step_n - saved_ms)))
+        table[b] = row
+        print(f"batch {b}: native {agg_n:.0f} tok/s, patched {agg_p:.0f} tok/s, x{agg_p / agg_n:.3f}"
+              + (f", Amdahl bound x{row['amdahl_bound']:.3f}" if "amdahl_bound" in row else ""), flush=True)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in ("arm", "model")},
+              "model": "Qwen3.5-9B-shaped dense (dummy weights): " + json.dumps({k: CONFIG_9B[k] for k in (
+                  "hidden_size", "num_hidden_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim")}),
+              "runs": runs, "table": table}
+    try:
+        import torch
+        import vllm
+
+        result["gpu"] = torch.cuda.get_device_name(0)
+        result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
+    except Exception as e:
+        result["versions"] = {"error": repr(e)}
+    if args.out:
+        json.dump(result, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

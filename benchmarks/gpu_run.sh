@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Steps of one GPU session on a host without a package index (the device tool's H200):
+# the offline vLLM 0.33.0 bundle travels in three calls (.bundle/parts/vllm.tar.xz.00, .01,
+# then .bundle/deps + install_bundle.sh, each copied to /tmp/bundle), then it is installed and
+# the benchmarks run. Results go to $OUT (or ./gpu-out).
+#
+#   bash benchmarks/gpu_run.sh stage           # copy whatever of .bundle/ travelled to /tmp/bundle
+#   bash benchmarks/gpu_run.sh install         # unpack vLLM into /tmp/vllm-site, install this project
+#   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+B=/tmp/bundle; SITE=/tmp/vllm-site
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 VLLM_CACHE_ROOT=/tmp/vllm-cache
+case "${1:?step}" in
+  stage)
+    mkdir -p $B/parts $B/deps
+    cp -n .bundle/parts/* $B/parts/ 2>/dev/null || true
+    cp -n .bundle/deps/* $B/deps/ 2>/dev/null || true
+    cp -n .bundle/install_bundle.sh $B/ 2>/dev/null || true
+    ls -la $B/parts; ls $B/deps | wc -l ;;
+  install)
+    bash $B/install_bundle.sh $B/parts $B/deps $SITE
+    python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+    python3 -c "import vllm, replayssm_patch, importlib.metadata as m; print('vllm', vllm.__version__); print([e.name for e in m.entry_points(group='vllm.general_plugins')])" ;;
+  smoke)
+    python3 benchmarks/e2e_agreement.py --out "$OUT/smoke.json" --requests 4 --tokens 48 --states float32 --no-control --workdir /tmp/smoke 2>&1 | tail -20 ;;
+  agree)
+    python3 benchmarks/e2e_agreement.py --out "$OUT/e2e_agreement.json" --workdir /tmp/agree 2>&1 | tail -20
+    cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true ;;
+  e2e)
+    shift; python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode.json" --kernel-json benchmarks/results/kernel_decode.json "$@" 2>&1 | tail -40 ;;
+  *) echo "unknown step $1" >&2; exit 2 ;;
+esac
