@@ -20,7 +20,7 @@ OptionError = _options.OptionError
 
 
 def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict: bool = False,
-          ring_dtype: str = "auto") -> dict:
+          ring_dtype: str = "auto", allow_16bit_state: bool = False) -> dict:
     """Turn ReplaySSM GDN decode on (or off) for this process and the vLLM processes it starts.
 
     enable: True to serve decode through the ring, False to keep vLLM native.
@@ -30,18 +30,22 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
     ring_dtype: dtype of the ring's d/k entries: "auto" (fp32 for an fp32 SSM state, else the
         activation dtype), "activation" (always the activation dtype: half the ring bytes) or
         "float32".
+    allow_16bit_state: on CUDA, also serve bf16/fp16 SSM states (off by default: the ring
+        kernel does not beat vLLM's native decode there yet).
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """
     if not isinstance(enable, bool):
         raise OptionError(f"enable={enable!r} is not accepted; accepted values: True, False")
-    if not isinstance(strict, bool):
-        raise OptionError(f"strict={strict!r} is not accepted; accepted values: True, False")
+    for name, value in (("strict", strict), ("allow_16bit_state", allow_16bit_state)):
+        if not isinstance(value, bool):
+            raise OptionError(f"{name}={value!r} is not accepted; accepted values: True, False")
     opts = _options.Options(
         enabled=enable,
         ring_len=_options.check_ring_len("ring_len", ring_len),
         strict=strict,
         ring_dtype=_options.check_ring_dtype("ring_dtype", ring_dtype),
+        allow_16bit_state=allow_16bit_state,
     )
     os.environ.update(opts.to_env())  # vLLM's child processes inherit the environment
     from . import patching

@@ -13,6 +13,7 @@ ENV_ENABLE = "VLLM_GDN_REPLAYSSM"
 ENV_RING = "VLLM_GDN_REPLAYSSM_RING"
 ENV_STRICT = "VLLM_GDN_REPLAYSSM_STRICT"
 ENV_RING_DTYPE = "VLLM_GDN_REPLAYSSM_RING_DTYPE"
+ENV_16BIT_STATE = "VLLM_GDN_REPLAYSSM_16BIT_STATE"
 
 DEFAULT_RING_LEN = 16
 MIN_RING_LEN, MAX_RING_LEN = 1, 64
@@ -34,6 +35,9 @@ class Options:
     # ring d/k dtype: "auto" = fp32 for an fp32 state, else the activation dtype;
     # "activation" = always the activation dtype (half the ring bytes); "float32" = always fp32
     ring_dtype: str = "auto"
+    # On CUDA the ring kernel does not beat native decode for bf16/fp16 states yet, so those
+    # configs stay native unless this is set.
+    allow_16bit_state: bool = False
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -41,6 +45,7 @@ class Options:
             ENV_RING: str(self.ring_len),
             ENV_STRICT: "1" if self.strict else "0",
             ENV_RING_DTYPE: self.ring_dtype,
+            ENV_16BIT_STATE: "1" if self.allow_16bit_state else "0",
         }
 
 
@@ -81,4 +86,5 @@ def from_env(environ=None) -> Options:
         ring_len=check_ring_len(ENV_RING, env.get(ENV_RING, str(DEFAULT_RING_LEN))),
         strict=parse_bool(ENV_STRICT, env.get(ENV_STRICT, "0")),
         ring_dtype=check_ring_dtype(ENV_RING_DTYPE, env.get(ENV_RING_DTYPE, "auto")),
+        allow_16bit_state=parse_bool(ENV_16BIT_STATE, env.get(ENV_16BIT_STATE, "0")),
     )

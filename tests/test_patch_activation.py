@@ -26,6 +26,7 @@ if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
     ("VLLM_GDN_REPLAYSSM_RING", "sixteen"),
     ("VLLM_GDN_REPLAYSSM_STRICT", "2"),
     ("VLLM_GDN_REPLAYSSM_RING_DTYPE", "int8"),
+    ("VLLM_GDN_REPLAYSSM_16BIT_STATE", "x"),
 ])
 def test_invalid_environment_values_name_the_variable(var, value):
     with pytest.raises(options.OptionError) as e:
@@ -44,6 +45,7 @@ def test_environment_defaults_and_values():
 @pytest.mark.parametrize("kwargs,name", [
     ({"ring_len": 0}, "ring_len"), ({"ring_len": 100}, "ring_len"), ({"ring_len": 2.5}, "ring_len"),
     ({"enable": "yes"}, "enable"), ({"strict": 1}, "strict"), ({"ring_dtype": "fp8"}, "ring_dtype"),
+    ({"allow_16bit_state": "no"}, "allow_16bit_state"),
 ])
 def test_patch_rejects_bad_arguments_without_touching_anything(kwargs, name, monkeypatch):
     import replayssm_patch
@@ -239,3 +241,18 @@ def test_doctor_reports_ring_layers_memory_and_fallback_reasons():
     assert "state 0.75 MiB, ring +0.14 MiB" in out
     rc, out = doctor("--num-speculative-tokens", "2", "--ring-len", "8")
     assert rc == 1 and "speculative decoding is served by vLLM's native GDN path" in out
+
+
+def test_cuda_16bit_state_stays_native_unless_allowed(monkeypatch):
+    from vllm.platforms import current_platform
+
+    from replayssm_patch import kernels
+    from replayssm_patch.ring_plan import plan_for
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
+    monkeypatch.setattr(kernels, "gpu_kernels_available", lambda: (True, ""))
+    bf16 = fake_config(**{"cache_config.mamba_ssm_cache_dtype": "bfloat16"})
+    plan, reasons = plan_for(bf16, ON)
+    assert plan is None and "16-bit states" in reasons[0]
+    assert plan_for(bf16, options.Options(enabled=True, allow_16bit_state=True))[0] is not None
+    assert plan_for(fake_config(), ON)[0] is not None  # fp32 state is served
