@@ -8,10 +8,12 @@ Each arm runs in its own process (replayssm_patch.testing.engine_runner). What i
   stay within bf16 rounding of it;
 * the ring is really used (decode calls, flushes) and really allocated (page bytes grow by
   exactly the ring's size);
-* generated tokens: the first tokens of every request are identical, and the agreement with
-  native by the project's criterion (identical, or a divergence only at a near tie) is
-  measured and printed beside a native-vs-native control (the same engine with another
-  batch size), since bf16 logits make vLLM itself diverge at near ties.
+* generated tokens: every request is identical to native or first differs where native's top-2
+  logprob gap is below 0.01 (a near tie); the full criterion (also: earlier logprobs within
+  0.01, >= 90% of requests identical) is measured and printed, beside a native-vs-native
+  control (another batch size) where there is one. It is not asserted: the logits are bf16,
+  so logprobs move in steps of 0.004-0.03 and exact ties are common, and vLLM's CPU decode
+  kernel is itself ~1e-3 (relative) off exact arithmetic per step.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ CACHE = Path(os.environ.get("REPLAYSSM_TEST_CACHE", Path(__file__).resolve().par
 RING_LEN = 16
 MAX_TOKENS = 128  # >= 8 flushes of a 16-entry ring
 SHADOW_TOL = 2e-2  # relative error vs vLLM's kernel on exact states: bf16 output rounding
-FIRST_TOKENS_EXACT = 8
+TIE_GAP = 0.01
 
 BASE = dict(load_format="safetensors", dtype="bfloat16", enforce_eager=True, max_model_len=512,
             skip_tokenizer_init=True, max_num_seqs=8, seed=0, disable_log_stats=False)
@@ -54,6 +56,8 @@ def models():
         # small GDN state + wide attention: small prefix-cache blocks (crossed by the prompts)
         "qwen3_5_small_blocks": str(build_tiny_model(root, "qwen3_5", gdn_head_dim=64, num_key_value_heads=4,
                                                      head_dim=128, num_attention_heads=8)),
+        "qwen3_next_small_blocks": str(build_tiny_model(root, "qwen3_next", gdn_head_dim=64, num_key_value_heads=4,
+                                                        head_dim=128, num_attention_heads=8)),
     }
 
 
@@ -87,7 +91,7 @@ def ring_bytes(hv, h, k, v, L, ring_elem=2):
     return hv * L * 4 + hv * L * v * ring_elem + h * L * k * ring_elem
 
 
-def check_pair(label, native, patched, control=None, expect_ring_bytes=None, exact_prefix=FIRST_TOKENS_EXACT):
+def check_pair(label, native, patched, control=None, expect_ring_bytes=None):
     """Assertions shared by every scenario; returns the agreement for reporting."""
     agreement = compare(native["requests"], patched["requests"])
     line = f"[{label}] patched vs native: {agreement.summary()}"
@@ -96,7 +100,7 @@ def check_pair(label, native, patched, control=None, expect_ring_bytes=None, exa
     print(line)
     for r, (n, p) in enumerate(zip(native["requests"], patched["requests"])):
         assert len(p["tokens"]) == len(n["tokens"]), f"{label}: request {r} length"
-        assert p["tokens"][:exact_prefix] == n["tokens"][:exact_prefix], f"{label}: request {r} starts differently"
+    assert not agreement.not_at_a_tie(TIE_GAP), f"{label}: divergence not at a near tie: {agreement.not_at_a_tie()}"
     if expect_ring_bytes is not None and "layers" in patched:
         for ln, lp in zip(native["layers"], patched["layers"]):
             assert lp["ring"] and not ln["ring"]
@@ -139,7 +143,8 @@ def test_batch_and_mixed_batches(models, tmp_path, arch):
     check_pair(f"{arch} mixed", native["mixed"], patched["mixed"])
 
 
-def test_prefix_caching_align_and_preemption(models, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_prefix_caching_align_and_preemption(models, tmp_path, arch):
     rng = random.Random(2)
     shared = [rng.randrange(3, 1000) for _ in range(150)]
     # prompts and outputs cross several 128-token blocks; later requests hit the cached prefix
@@ -147,12 +152,13 @@ def test_prefix_caching_align_and_preemption(models, tmp_path):
     engines = [
         {"name": "align", "scenario": "staggered", "engine": dict(BASE, enable_prefix_caching=True),
          "prompts": prompts, "max_tokens": [MAX_TOKENS] * len(prompts)},
+    ]
+    if arch == "qwen3_5":
         # too few cache blocks: decodes that cross a block boundary preempt running requests,
         # which are later recomputed
-        {"name": "preempt", "engine": dict(BASE, enable_prefix_caching=False, num_gpu_blocks_override=20),
-         "prompts": [p[:100] for p in prompts] * 2, "max_tokens": [MAX_TOKENS] * 8},
-    ]
-    model = models["qwen3_5_small_blocks"]
+        engines.append({"name": "preempt", "engine": dict(BASE, enable_prefix_caching=False, num_gpu_blocks_override=20),
+                        "prompts": [p[:100] for p in prompts] * 2, "max_tokens": [MAX_TOKENS] * 8})
+    model = models[f"{arch}_small_blocks"]
     native, _ = run_arm(tmp_path, "native", _spec(model, False, engines))
     patched, log = run_arm(tmp_path, "patched", _spec(model, True, engines))
     status = patched["_status"]
@@ -160,9 +166,10 @@ def test_prefix_caching_align_and_preemption(models, tmp_path):
     # prefills with a cached or earlier state flush their rings first, then reset them
     assert status["counters"]["materialize_calls"] > 0 and status["counters"]["reset_calls"] > 0
     expect = ring_bytes(hv=4, h=2, k=64, v=64, L=RING_LEN, ring_elem=4)
-    check_pair("qwen3_5 align", native["align"], patched["align"], expect_ring_bytes=expect)
-    check_pair("qwen3_5 preempt", native["preempt"], patched["preempt"], expect_ring_bytes=expect)
-    assert native["preempt"]["preemptions"] > 0 and patched["preempt"]["preemptions"] > 0, "no preemption happened"
+    check_pair(f"{arch} align", native["align"], patched["align"], expect_ring_bytes=expect)
+    if arch == "qwen3_5":
+        check_pair("qwen3_5 preempt", native["preempt"], patched["preempt"], expect_ring_bytes=expect)
+        assert native["preempt"]["preemptions"] > 0 and patched["preempt"]["preemptions"] > 0, "no preemption happened"
 
 
 def test_plugin_reaches_engine_core_with_multiprocessing(models, tmp_path):
@@ -215,7 +222,4 @@ def test_tensor_parallel_2_on_cpu(models, tmp_path):
     for rank in (0, 1):
         assert any(f"TP{rank}" in ln and f"decode through the ring" in ln and f"+{per_rank} bytes" in ln
                    for ln in log.splitlines()), f"rank {rank} did not report the ring"
-    # TP shards the GDN sums across ranks, so near ties can flip from the first token on: here
-    # the check is the criterion's first part (every divergence at a near tie)
-    agreement = check_pair("qwen3_5 tp2", native["tp2"], patched["tp2"], exact_prefix=0)
-    assert not agreement.failures, agreement.failures
+    check_pair("qwen3_5 tp2", native["tp2"], patched["tp2"])

@@ -18,6 +18,12 @@ class Agreement:
     near_tie: int
     failures: list[str]
     total: int
+    # every divergence: (request, first differing token, native top-2 gap there, max drift before)
+    divergences: list[tuple[int, int, float, float]]
+
+    def not_at_a_tie(self, tie_gap: float = 0.01) -> list[tuple[int, int, float, float]]:
+        """Divergences where native's top-2 gap was not below `tie_gap` (drift not considered)."""
+        return [d for d in self.divergences if not d[2] < tie_gap]
 
     @property
     def identical_fraction(self) -> float:
@@ -34,8 +40,8 @@ class Agreement:
 def compare(native: list[dict], patched: list[dict], tie_gap: float = 0.01, logprob_tol: float = 0.01) -> Agreement:
     """native/patched: per request {"tokens", "logprobs", "top2"} as engine_runner prints them."""
     if len(native) != len(patched):
-        return Agreement(0, 0, [f"request count {len(native)} vs {len(patched)}"], len(native))
-    identical, near, failures = 0, 0, []
+        return Agreement(0, 0, [f"request count {len(native)} vs {len(patched)}"], len(native), [])
+    identical, near, failures, divergences = 0, 0, [], []
     for r, (n, p) in enumerate(zip(native, patched)):
         if n["tokens"] == p["tokens"]:
             identical += 1
@@ -47,9 +53,10 @@ def compare(native: list[dict], patched: list[dict], tie_gap: float = 0.01, logp
         drift = max((abs(a - b) for a, b in zip(n["logprobs"][:i], p["logprobs"][:i])), default=0.0)
         top = n["top2"][i]
         gap = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
+        divergences.append((r, i, gap, drift))
         if gap < tie_gap and drift <= logprob_tol:
             near += 1
         else:
             failures.append(f"request {r}: diverges at token {i} (native top-2 gap {gap:.4f}, "
                             f"max logprob drift before it {drift:.4f})")
-    return Agreement(identical, near, failures, len(native))
+    return Agreement(identical, near, failures, len(native), divergences)
