@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 
 from ._vendored import ring_reference as ref
 

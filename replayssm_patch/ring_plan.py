@@ -92,7 +92,7 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
 
     reasons: list[str] = []
     if not options.enabled:
-        return None, [f"disabled (set VLLM_GDN_REPLAYSSM=1 or call replayssm_patch.patch())"]
+        return None, ["disabled (set VLLM_GDN_REPLAYSSM=1 or call replayssm_patch.patch())"]
     mc = vllm_config.model_config
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
     dims = _gdn_dims(hf)

@@ -30,7 +30,6 @@ _HAVE = importlib.util.find_spec("torch") is not None and importlib.util.find_sp
 # --------------------------------------------------------------------------------------------
 
 def _rel(x, ref):
-    import torch
 
     x, ref = x.double(), ref.double()
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))

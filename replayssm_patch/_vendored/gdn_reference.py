@@ -18,7 +18,6 @@ float64 when the state is float64 (the tests' ground truth).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
