@@ -57,6 +57,19 @@ def _pack(q, k, v):
     return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
 
 
+def _decode_split_qkv(call, p, state, idx, leading):
+    """Ring decode for kernels that take q/k/v split as (1, N, heads, dim): one token per row.
+    Returns the output shaped `leading + (HV, V)`, as the replaced kernel returns it."""
+    q = p["q"]
+    n = q.shape[1]
+    hv, vdim = p["v"].shape[-2:]
+    out = torch.empty((*leading, hv, vdim), dtype=q.dtype, device=q.device)
+    kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
+                   call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
+                   call.force_flush[:n], call.start_empty[:n])
+    return out
+
+
 def _one_token_rows(cu_seqlens, n) -> bool:
     # Decode rows carry exactly one token; anything else is not ours to serve.
     return cu_seqlens is not None and cu_seqlens.shape[0] == n + 1
@@ -118,11 +131,7 @@ def make_sigmoid_update_wrapper(native):
         if (p.get("num_accepted_tokens") is not None or not _one_token_rows(p["cu_seqlens"], n)
                 or not p["use_qk_l2norm_in_kernel"] or not p["inplace_final_state"]):
             return _passthrough(native, call, state, idx, p)
-        hv, vdim = p["v"].shape[-2:]
-        out = torch.empty((1, n, hv, vdim), dtype=q.dtype, device=q.device)
-        kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
-                       call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
-                       call.force_flush[:n], call.start_empty[:n])
+        out = _decode_split_qkv(call, p, state, idx, leading=(1, n))
         return out, state
 
     sigmoid_update.__wrapped__ = native
@@ -144,11 +153,7 @@ def make_cpu_update_wrapper(native):
         n = q.shape[1]
         if not _one_token_rows(p["cu_seqlens"], n) or not p["use_qk_l2norm_in_kernel"]:
             return _passthrough(native, call, state, idx, p)
-        hv, vdim = p["v"].shape[-2:]
-        out = torch.empty((n, 1, hv, vdim), dtype=q.dtype, device=q.device)
-        kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
-                       call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
-                       call.force_flush[:n], call.start_empty[:n])
+        out = _decode_split_qkv(call, p, state, idx, leading=(n, 1))
         if shadow.enabled():
             shadow.check_decode(native, p, call.ring, out, call.start_empty)
         return out
