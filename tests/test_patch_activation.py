@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from replayssm_patch import options, versions
+from replayssm_patch.testing import cache_dir
 
 if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
     pytest.importorskip("vllm")
@@ -79,7 +79,7 @@ RELEASES = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
 
 @pytest.fixture(scope="module")
 def wheel_dir():
-    d = Path(os.environ.get("REPLAYSSM_TEST_CACHE", Path(__file__).resolve().parents[1] / ".work" / "test-cache")) / "wheels"
+    d = cache_dir() / "wheels"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -226,8 +226,7 @@ def test_each_refusal_reason(override, reason):
 def test_doctor_reports_ring_layers_memory_and_fallback_reasons():
     from replayssm_patch.testing.tiny_models import build_tiny_model
 
-    cache = Path(os.environ.get("REPLAYSSM_TEST_CACHE", Path(__file__).resolve().parents[1] / ".work" / "test-cache"))
-    model = str(build_tiny_model(str(cache / "tiny-models"), "qwen3_5"))
+    model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5"))
 
     def doctor(*args):
         p = subprocess.run([sys.executable, "-m", "replayssm_patch", "doctor", model, *args],

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from replayssm_patch.testing import cache_dir
+
 pytestmark = pytest.mark.vllm
 if not os.environ.get("CI"):
     pytest.importorskip("vllm")
@@ -20,8 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_grpo_rollout_native_vs_patched(tmp_path):
     from replayssm_patch.testing.tiny_models import build_tiny_model
 
-    cache = Path(os.environ.get("REPLAYSSM_TEST_CACHE", REPO / ".work" / "test-cache"))
-    model = str(build_tiny_model(str(cache / "tiny-models"), "qwen3_5"))
+    model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5"))
     env = dict(os.environ, VLLM_GDN_REPLAYSSM_SHADOW="1")
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     p = subprocess.run([sys.executable, str(REPO / "examples" / "grpo_rollout.py"), "--model", model, "--rounds", "2",

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from replayssm_patch.testing import require_module
+from replayssm_patch.testing import cache_dir, require_module
 from replayssm_patch.testing.tiny_models import build_tiny_model, content_key, tiny_model_config
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("REPLAYSSM_TEST_CACHE", REPO / ".work" / "test-cache")) / "tiny-models"
+CACHE = cache_dir() / "tiny-models"
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,7 @@ import sys
 
 import pytest
 
-from pathlib import Path
-
+from replayssm_patch.testing import cache_dir
 from replayssm_patch.testing.agreement import compare
 
 pytestmark = pytest.mark.vllm
@@ -35,7 +34,7 @@ pytestmark = pytest.mark.vllm
 if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
     pytest.importorskip("vllm")
 
-CACHE = Path(os.environ.get("REPLAYSSM_TEST_CACHE", Path(__file__).resolve().parents[1] / ".work" / "test-cache"))
+CACHE = cache_dir()
 RING_LEN = 16
 MAX_TOKENS = 128  # >= 8 flushes of a 16-entry ring
 SHADOW_TOL = 2e-2  # relative error vs vLLM's kernel on exact states: bf16 output rounding

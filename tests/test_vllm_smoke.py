@@ -7,15 +7,13 @@ then it fails, so CI cannot go green without exercising vLLM.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
-from replayssm_patch.testing import require_vllm
+from replayssm_patch.testing import cache_dir, require_vllm
 from replayssm_patch.testing.tiny_models import build_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("REPLAYSSM_TEST_CACHE", REPO / ".work" / "test-cache"))
+CACHE = cache_dir()
 # vLLM caches model inspection results here (default ~/.cache/vllm); keep them in the work dir.
 os.environ.setdefault("VLLM_CACHE_ROOT", str(CACHE / "vllm"))
 

@@ -1,6 +1,7 @@
 """Helpers for this project's tests and demos (never imported by the patch itself).
 
 * `tiny_models.build_tiny_model`: small random-weight Qwen3.5 / Qwen3-Next checkpoints.
+* `cache_dir()`: the folder tests keep built checkpoints and downloaded wheels in.
 * `require_vllm()` / `require_module(name)`: import a heavy optional dependency in a test, or
   skip with the reason; under CI (env `CI` set) a missing or broken module fails the test
   instead, so a CI run can never pass by skipping.
@@ -10,6 +11,14 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where tests keep built checkpoints and downloaded wheels: $REPLAYSSM_TEST_CACHE, else
+    .work/test-cache in the repository (ignored by git)."""
+    default = Path(__file__).resolve().parents[2] / ".work" / "test-cache"
+    return Path(os.environ.get("REPLAYSSM_TEST_CACHE", default))
 
 
 def in_ci() -> bool:
