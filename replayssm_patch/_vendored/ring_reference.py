@@ -204,3 +204,69 @@ def ring_commit_reference(cursor, state_indices, num_accepted):
     rows = valid_rows(state_indices).nonzero().flatten()
     slots = state_indices[rows].long()
     cursor[slots] = (cursor[slots] + num_accepted[rows].to(cursor.dtype)).to(cursor.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Speculative decoding with a delayed commit (one state slot per request)
+# --------------------------------------------------------------------------------------------
+#
+# A verify step appends its T_i + 1 tokens' entries past the cursor as *pending* and records
+# the window length per slot (`pending`, 0 = no window). The next step learns how many of them
+# were accepted only from vLLM's `num_accepted_tokens` (a GPU tensor, >= 1, the bonus token
+# included), so the commit is delayed: it runs at the start of the next step, before anything
+# reads the slot. A slot without a window (fresh prefill, or already committed) commits
+# nothing, whatever num_accepted says (vLLM passes 1 for a row after its prefill).
+
+
+def ring_commit_pending_reference(cursor, pending, state_indices, num_accepted, L=None):
+    """Delayed commit: n += min(num_accepted, pending) where a window is pending; pending = 0.
+
+    Rows with slot <= 0 are ignored. `num_accepted` may be None (nothing accepted: the window
+    is dropped). The cursor never exceeds L (ring_g's length, when given).
+    """
+    rows = valid_rows(state_indices).nonzero().flatten()
+    if rows.numel() == 0:
+        return
+    slots = state_indices[rows].long()
+    p = pending[slots].long()
+    acc = torch.zeros_like(p) if num_accepted is None else num_accepted[rows].long().clamp(min=0)
+    n = cursor[slots].long() + torch.where(p > 0, torch.minimum(acc, p), torch.zeros_like(p))
+    if L is not None:
+        n = n.clamp(max=L)
+    cursor[slots] = n.to(cursor.dtype)
+    pending[slots] = 0
+
+
+def ring_spec_verify_reference(
+    mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
+    ring_d, ring_k, ring_g, cursor, pending, num_accepted=None, use_qk_l2norm=True,
+):
+    """One speculative step for each row: delayed commit of the slot's previous window (from
+    `num_accepted`), then `ring_verify_reference` of the row's tokens, whose entries become the
+    slot's new pending window (pending[slot] = T_i).
+
+    Row i owns tokens cu_seqlens[i]:cu_seqlens[i+1]. Rows with slot <= 0 get zero outputs and
+    touch nothing; tokens outside every row are left as they are. If the window does not fit
+    after the commit (n + T_i > L) the committed entries are flushed first (checkpoint
+    written, n = 0). Returns `out` viewed [tokens, HV, V].
+    """
+    HV, V = state.shape[1], state.shape[2]
+    L = ring_g.shape[-1]
+    ntok = mixed_qkv.shape[0]
+    out3 = out.view(ntok, HV, V)
+    ring_commit_pending_reference(cursor, pending, state_indices, num_accepted, L)
+    cu = cu_seqlens.tolist()
+    for i, slot in enumerate(state_indices.tolist()):
+        lo, hi = cu[i], cu[i + 1]
+        if slot <= 0:
+            out3[lo:hi] = 0
+            continue
+        if hi == lo:
+            continue
+        ring_verify_reference(
+            mixed_qkv[lo:hi], a[lo:hi], b[lo:hi], A_log, dt_bias, scale, state, out3[lo:hi],
+            state_indices[i:i + 1], torch.tensor([0, hi - lo]), ring_d, ring_k, ring_g, cursor,
+            use_qk_l2norm,
+        )
+        pending[slot] = hi - lo
+    return out3

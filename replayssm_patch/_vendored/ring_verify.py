@@ -1,0 +1,428 @@
+"""Triton kernel of ReplaySSM speculative verify for Gated DeltaNet, with a delayed commit.
+
+Semantics: exactly those of `ring_reference.ring_spec_verify_reference` (and
+`ring_commit_pending_reference` for `ring_commit`); read `ring_reference`'s docstring for the
+ring layout. This module imports only torch and triton.
+
+One launch = one speculative step. Row i owns the tokens cu_seqlens[i]:cu_seqlens[i+1] (the
+bonus token and the drafts; any count up to `max_tokens`, zero allowed). Per row:
+
+  1. delayed commit: the slot's previous window (pending p > 0) gets min(num_accepted[i], p)
+     of its entries committed (n += ...), the rest is dropped;
+  2. if the new window does not fit (n + T_i > L) the committed entries are flushed into the
+     checkpoint (S_c = replayed state, n = 0);
+  3. every token's output is computed as if the row's earlier tokens were accepted, and the
+     tokens' replay entries (d, k, G) are written at ring positions n..n+T_i-1 as the slot's
+     new pending window.
+
+The cursor word. Per slot one int32 holds `n | p << 8` between launches (n committed entries,
+p the pending window length, both < 256), and in flight the arrival tickets in bits 16 and up
+(the same race-free read as in ring_decode: every program of a row reads the word with one
+atomic add of 1 << 16, the last of the row's programs writes the new word with an exchange).
+A slot with p == 0 holds the plain entry count that `ring_decode` and `ring_materialize` use;
+a slot with a pending window must go through `ring_commit` (or this kernel) before those see
+it. Commit, verify and the window bookkeeping thus need no host sync and no extra buffer, and
+the launch is CUDA-graph safe (everything it reads is a tensor; only the shapes and
+`max_tokens` are baked in).
+
+How the tokens are computed (program = (row, key head), looping over the key head's value
+heads and over blocks of BV value rows, so that one program owns every ring entry it reads and
+writes: the flush rewrites positions other programs would otherwise still be reading). With
+Gamma_t the cumulative log-decay up to token t (continuing from G_n, or from 0 after a flush),
+the state after token t applied to a vector x is
+
+    S_t x = exp(Gamma_t) S_c x + sum_{j<n} exp(Gamma_t - G_j) d_j (k_j . x)
+                               + sum_{u<=t} exp(Gamma_t - Gamma_u) d_u (k_u . x)
+
+so per value block one read of the checkpoint tile gives S_c q_t and S_c k_t for all tokens at
+once (two [BV, K] x [K, W] products), the committed entries add a [BV, n] x [n, W] product, and
+only the window's own entries are applied token by token (d_t depends on d_u, u < t):
+
+    d_t = beta_t (v_t - alpha_t S_{t-1} k_t),   o_t = alpha_t S_{t-1} q_t + d_t (k_t . q_t).
+
+All products are fp32 with input_precision="ieee" (never tf32). A flush applies the committed
+entries to the tile as one [BV, n] x [n, K] product and stores the tile in the state dtype.
+
+Requirements: the valid rows of one launch name distinct slots (vLLM guarantees this);
+1 <= max_tokens <= L <= 255; each row has at most `max_tokens` tokens (the launcher cannot
+check device data without a host sync: tokens past max_tokens get no output and no entry).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config"]
+
+_TICKET_SHIFT = 16
+_PENDING_SHIFT = 8
+_FIELD_MASK = 0xFF
+
+
+@triton.jit
+def _ring_verify_kernel(
+    qkv, a, b, A_log, dt_bias, out, state, idx, cu, acc,
+    ring_d, ring_k, ring_g, cursor,
+    scale,
+    stride_qkv, stride_a, stride_b, stride_idx, stride_acc,
+    slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
+    HAS_ACC: tl.constexpr, L2NORM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_h = pid % H
+    i_n = pid // H
+    GROUP: tl.constexpr = HV // H
+    NV: tl.constexpr = (V + BV - 1) // BV
+    row = i_n.to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    o_w = tl.arange(0, WP)
+    o_l = tl.arange(0, LP)
+    o_b = tl.arange(0, BV)
+    m_k = o_k < K
+
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
+    lo = tl.load(cu + row).to(tl.int64)
+    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
+    W = tl.minimum(tl.maximum(W, 0), MAXT)
+    m_w = o_w < W
+    tok = lo + o_w  # token rows of this request (valid where m_w)
+
+    if slot <= 0:
+        # NULL block (0) or padding (-1): zero outputs for the row's tokens, touch nothing else.
+        for i in range(GROUP):
+            hv = i_h * GROUP + i
+            for jv in range(NV):
+                o_v = jv * BV + o_b
+                p_o = out + (tok[:, None] * HV + hv) * V + o_v[None, :]
+                tl.store(p_o, tl.zeros([WP, BV], dtype=tl.float32).to(out.dtype.element_ty),
+                         mask=m_w[:, None] & (o_v < V)[None, :])
+        return
+
+    # Tokens' q and k of this key head, normalised: [WP, BK].
+    p_x = qkv + tok[:, None] * stride_qkv
+    m_wk = m_w[:, None] & m_k[None, :]
+    Q = tl.load(p_x + i_h * K + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
+    Kt = tl.load(p_x + H * K + i_h * K + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
+    if L2NORM:
+        Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None]
+        Kt = Kt / tl.sqrt(tl.sum(Kt * Kt, 1) + 1e-6)[:, None]
+    Q = Q * scale
+
+    # Cursor word: committed n, pending window p (the ticket makes this read race-free).
+    ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
+    arrivals = ticket >> 16
+    n = ticket & 0xFF
+    pend = (ticket >> 8) & 0xFF
+    if HAS_ACC:
+        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
+        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
+    n = tl.minimum(n, L)
+    flush = n + W > L
+    n_w = tl.where(flush, 0, n)  # where the window starts
+    live = o_l < n  # committed entries (before a flush)
+    live_v = live & (n_w > 0)  # committed entries the verify still replays (none after a flush)
+
+    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
+    rk = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
+    rk = rk.to(tl.float32)
+    # Key-side dot products, shared by the group's value heads: [entries, tokens].
+    KQc = tl.dot(rk, tl.trans(Q), input_precision="ieee")  # k_j . q_t
+    KKc = tl.dot(rk, tl.trans(Kt), input_precision="ieee")  # k_j . k_t
+    KQw = tl.dot(Kt, tl.trans(Q), input_precision="ieee")  # k_u . q_t
+    KKw = tl.dot(Kt, tl.trans(Kt), input_precision="ieee")  # k_u . k_t
+    kq_self = tl.sum(tl.where(o_w[:, None] == o_w[None, :], KQw, 0.0), 0)  # k_t . q_t
+    earlier = (o_w[:, None] < o_w[None, :]) & m_w[None, :]  # [u, t]: u < t
+
+    for i in range(GROUP):
+        hv = i_h * GROUP + i
+        A_t = tl.load(A_log + hv).to(tl.float32)
+        dtb = tl.load(dt_bias + hv).to(tl.float32)
+        a_t = tl.load(a + tok * stride_a + hv, mask=m_w, other=0.0).to(tl.float32)
+        b_t = tl.load(b + tok * stride_b + hv, mask=m_w, other=0.0).to(tl.float32)
+        x = a_t + dtb
+        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+        g = tl.where(m_w, -tl.exp(A_t) * softplus, 0.0)
+        beta = 1.0 / (1.0 + tl.exp(-b_t))
+
+        p_g = ring_g + slot * slot_stride_g + hv * L
+        Gc = tl.load(p_g + o_l, mask=live, other=0.0)
+        G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
+        base = tl.where(flush, 0.0, G_n)
+        Gam = base + tl.cumsum(g, 0)  # [WP]
+        # Weights exp(Gamma_t - G_j) (committed) and exp(Gamma_t - Gamma_u) (window, u < t);
+        # entries past the cursor may hold anything: select, never multiply by 0.
+        Wc = tl.where(live_v[:, None] & m_w[None, :], tl.exp(Gam[None, :] - Gc[:, None]), 0.0)
+        Ww = tl.where(earlier, tl.exp(Gam[None, :] - Gam[:, None]), 0.0)
+        Ak_c = Wc * KKc
+        Aq_c = Wc * KQc
+        Ak_w = Ww * KKw
+        Aq_w = Ww * KQw
+        eGam = tl.where(m_w, tl.exp(Gam), 0.0)
+        # Flush weights of the committed entries: exp(G_n - G_j).
+        wf = tl.where(live, tl.exp(G_n - Gc), 0.0)
+        eGn = tl.exp(G_n)
+
+        p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
+        for jv in range(NV):
+            o_v = jv * BV + o_b
+            m_v = o_v < V
+            m_vk = m_v[:, None] & m_k[None, :]
+            p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[:, None] * K + o_k[None, :]
+            S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
+            rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
+            rd = rd.to(tl.float32)  # [LP, BV]
+            if flush:
+                # S_c <- exp(G_n) S_c + sum_j exp(G_n - G_j) d_j k_j^T, stored in the state dtype;
+                # the verify then continues from the stored (rounded) checkpoint, as the
+                # reference does.
+                S = eGn * S + tl.dot(tl.trans(rd * wf[:, None]), rk, input_precision="ieee")
+                S = S.to(state.dtype.element_ty)
+                tl.store(p_s, S, mask=m_vk)
+                S = S.to(tl.float32)
+                tl.debug_barrier()  # every lane has read the entries the window overwrites
+            # S_t-independent parts for all tokens at once: [BV, WP].
+            SK = tl.dot(S, tl.trans(Kt), input_precision="ieee") * eGam[None, :]
+            SQ = tl.dot(S, tl.trans(Q), input_precision="ieee") * eGam[None, :]
+            rdT = tl.trans(rd)
+            SK += tl.dot(rdT, Ak_c, input_precision="ieee")
+            SQ += tl.dot(rdT, Aq_c, input_precision="ieee")
+            Dw = tl.zeros([WP, BV], dtype=tl.float32)  # window entries d_u, u < t
+            p_v = qkv + 2 * H * K + hv * V + o_v
+            p_o = out + hv * V + o_v
+            for t in range(0, W):
+                sel = o_w == t
+                ak = tl.sum(tl.where(sel[None, :], Ak_w, 0.0), 1)  # [WP] over u
+                aq = tl.sum(tl.where(sel[None, :], Aq_w, 0.0), 1)
+                sk = tl.sum(tl.where(sel[None, :], SK, 0.0), 1) + tl.sum(Dw * ak[:, None], 0)
+                sq = tl.sum(tl.where(sel[None, :], SQ, 0.0), 1) + tl.sum(Dw * aq[:, None], 0)
+                beta_t = tl.sum(tl.where(sel, beta, 0.0))
+                kq_t = tl.sum(tl.where(sel, kq_self, 0.0))
+                tt = lo + t
+                v_t = tl.load(p_v + tt * stride_qkv, mask=m_v, other=0.0).to(tl.float32)
+                d = beta_t * (v_t - sk)
+                o = sq + d * kq_t
+                tl.store(p_o + tt * (HV * V), o.to(out.dtype.element_ty), mask=m_v)
+                tl.store(p_dr + (n_w + t) * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
+                # within the window later tokens use d unrounded, as the sequential recurrence
+                # does; the ring keeps it in its dtype for the steps after the commit
+                Dw = tl.where(sel[:, None], d[None, :], Dw)
+        tl.debug_barrier()
+        tl.store(p_g + n_w + o_w, Gam, mask=m_w)
+    tl.debug_barrier()  # the group's programs lanes have all read the committed keys
+    tl.store(p_kr + (n_w + o_w)[:, None] * K + o_k[None, :], Kt.to(ring_k.dtype.element_ty), mask=m_wk)
+    if arrivals == H - 1:
+        # Last of the row's H programs to take a ticket: everyone has read the word.
+        tl.atomic_xchg(cursor + slot, n_w | (W << 8), sem="relaxed")
+
+
+@triton.jit
+def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
+                        L: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_rows
+    s = tl.load(idx + offs.to(tl.int64) * stride_idx, mask=m, other=0).to(tl.int64)
+    m = m & (s > 0)
+    word = tl.load(cursor + s, mask=m, other=0)
+    n = word & 0xFF
+    pend = (word >> 8) & 0xFF
+    if HAS_ACC:
+        a_i = tl.maximum(tl.load(acc + offs.to(tl.int64) * stride_acc, mask=m, other=0).to(tl.int32), 0)
+        n = n + tl.where(pend > 0, tl.minimum(a_i, pend), 0)
+    tl.store(cursor + s, tl.minimum(n, L), mask=m)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+def pack_cursor(n: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """The kernel's cursor word from the reference's (cursor, pending) pair (int32)."""
+    return (n.to(torch.int32) | (pending.to(torch.int32) << _PENDING_SHIFT)).to(torch.int32)
+
+
+def unpack_cursor(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, pending) from the kernel's cursor word."""
+    return word & _FIELD_MASK, (word >> _PENDING_SHIFT) & _FIELD_MASK
+
+
+def verify_config(V: int, state_dtype: torch.dtype) -> tuple[int, int]:
+    """(BV, num_warps): value rows per inner block and warps per program."""
+    bv = 32 if V >= 32 else max(16, triton.next_power_of_2(V))
+    return bv, 4
+
+
+def _check_device(dev, **tensors):
+    for name, t in tensors.items():
+        if t is not None and t.device != dev:
+            raise ValueError(f"{name} must be on {dev} (got {t.device})")
+
+
+def _geometry(state, ring_d, ring_k, ring_g, cursor):
+    if state.ndim != 4:
+        raise ValueError(f"state must be [slots, HV, V, K] (got {tuple(state.shape)})")
+    slots, HV, V, K = state.shape
+    if ring_g.ndim != 3:
+        raise ValueError(f"ring_g must be [slots, HV, L] (got {tuple(ring_g.shape)})")
+    L = ring_g.shape[-1]
+    if tuple(ring_g.shape) != (slots, HV, L):
+        raise ValueError(f"ring_g must have shape {(slots, HV, L)} (got {tuple(ring_g.shape)})")
+    if tuple(ring_d.shape) != (slots, HV, L, V):
+        raise ValueError(f"ring_d must have shape {(slots, HV, L, V)} (got {tuple(ring_d.shape)})")
+    if ring_k.ndim != 4 or ring_k.shape[0] != slots or tuple(ring_k.shape[2:]) != (L, K):
+        raise ValueError(f"ring_k must have shape ({slots}, H, {L}, {K}) (got {tuple(ring_k.shape)})")
+    H = ring_k.shape[1]
+    if H <= 0 or HV % H:
+        raise ValueError(f"state's value heads HV={HV} must be a multiple of ring_k's key heads H={H}")
+    if tuple(cursor.shape) != (slots,) or cursor.dtype != torch.int32 or cursor.stride(0) != 1:
+        raise ValueError(f"cursor must be contiguous int32 of shape ({slots},) "
+                         f"(got {cursor.dtype} {tuple(cursor.shape)})")
+    if ring_g.dtype != torch.float32:
+        raise ValueError(f"ring_g must be float32 (got {ring_g.dtype})")
+    for name, t in (("state", state), ("ring_d", ring_d), ("ring_k", ring_k)):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be float32, bfloat16 or float16 (got {t.dtype})")
+    if not 1 <= L <= _FIELD_MASK:
+        raise ValueError(f"ring length L={L} (ring_g's last dim) must be in [1, {_FIELD_MASK}]")
+    if K < 16 or V < 16:
+        raise ValueError(f"head dims must be >= 16 (got K={K}, V={V})")
+    _check_device(state.device, ring_d=ring_d, ring_k=ring_k, ring_g=ring_g, cursor=cursor)
+    strides = []
+    for name, t in (("state", state), ("ring_d", ring_d), ("ring_k", ring_k), ("ring_g", ring_g)):
+        inner = t.shape[1:]
+        expect, acc = [], 1
+        for size in reversed(inner):
+            expect.append(acc)
+            acc *= size
+        expect = tuple(reversed(expect))
+        if any(sz > 1 and st != e for sz, st, e in zip(inner, t.stride()[1:], expect)):
+            raise ValueError(f"{name} must be contiguous after its slot dim (strides {t.stride()})")
+        strides.append(t.stride(0))
+    return H, HV, K, V, L, strides
+
+
+def _rows_tensor(t, n, name, dev):
+    if t is None:
+        return None, 0
+    if t.ndim != 1 or t.shape[0] < n:
+        raise ValueError(f"{name} must be 1-D with at least {n} entries (got {tuple(t.shape)})")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64 (got {t.dtype})")
+    _check_device(dev, **{name: t})
+    return t, t.stride(0)
+
+
+def ring_verify(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ring_d: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_g: torch.Tensor,
+    cursor: torch.Tensor,
+    num_accepted: torch.Tensor | None,
+    max_tokens: int,
+    use_qk_l2norm: bool = True,
+    *,
+    config: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """One speculative step through the ring (semantics of `ring_spec_verify_reference`).
+
+    mixed_qkv [tokens, 2*H*K + HV*V], a/b [tokens, HV]; row i owns tokens
+    cu_seqlens[i]:cu_seqlens[i+1] (at most `max_tokens` of them) and slot state_indices[i];
+    num_accepted [rows] commits the slot's previous pending window first (None: drop it).
+    `cursor` holds the packed word `n | pending << 8` (see the module docstring).
+    Writes `out` ([tokens, HV, V] or [tokens, 1, HV, V], contiguous) for every token of every
+    row (zero for rows with slot <= 0; tokens outside every row untouched), updates state,
+    rings and cursor in place. No host sync, nothing allocated: CUDA-graph safe.
+    `config` = (BV, num_warps) overrides the default launch configuration.
+    Returns `out` viewed as [tokens, HV, V].
+    """
+    H, HV, K, V, L, (ss, sd, sk, sg) = _geometry(state, ring_d, ring_k, ring_g, cursor)
+    if mixed_qkv.ndim != 2 or mixed_qkv.stride(-1) != 1:
+        raise ValueError("mixed_qkv must be 2-D [tokens, 2*H*K + HV*V], contiguous in its last dim")
+    ntok = mixed_qkv.shape[0]
+    if mixed_qkv.shape[1] != 2 * H * K + HV * V:
+        raise ValueError(
+            f"mixed_qkv last dim {mixed_qkv.shape[1]} != 2*H*K + HV*V = {2 * H * K + HV * V} "
+            f"(H={H} from ring_k, HV={HV}, K={K}, V={V})"
+        )
+    for name, t in (("a", a), ("b", b)):
+        if t.ndim != 2 or t.shape[0] != ntok or t.shape[1] != HV or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be [tokens, HV] = [{ntok}, {HV}], contiguous in its last dim "
+                             f"(got {tuple(t.shape)})")
+    if A_log.numel() != HV or not A_log.is_contiguous():
+        raise ValueError(f"A_log must be contiguous with HV={HV} elements")
+    if dt_bias.numel() != HV or not dt_bias.is_contiguous():
+        raise ValueError(f"dt_bias must be contiguous with HV={HV} elements")
+    if state_indices.ndim != 1:
+        raise ValueError(f"state_indices must be 1-D (got {tuple(state_indices.shape)})")
+    N = state_indices.shape[0]
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < N + 1 or not cu_seqlens.is_contiguous():
+        raise ValueError(f"cu_seqlens must be contiguous 1-D with at least N+1 = {N + 1} entries "
+                         f"(got {tuple(cu_seqlens.shape)})")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64 (got {cu_seqlens.dtype})")
+    if not out.is_contiguous() or out.numel() != ntok * HV * V:
+        raise ValueError(f"out must be contiguous with tokens*HV*V = {ntok * HV * V} elements")
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= L:
+        raise ValueError(f"max_tokens must be an int in [1, L={L}] (got {max_tokens!r})")
+    dev = state.device
+    _check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
+                  state_indices=state_indices, cu_seqlens=cu_seqlens)
+    acc, s_acc = _rows_tensor(num_accepted, N, "num_accepted", dev)
+    out3 = out.view(ntok, HV, V)
+    if N == 0:
+        return out3
+    BV, num_warps = config if config is not None else verify_config(V, state.dtype)
+    BV = min(BV, max(16, triton.next_power_of_2(V)))
+    _ring_verify_kernel[(N * H,)](
+        mixed_qkv, a, b, A_log, dt_bias, out, state, state_indices, cu_seqlens,
+        acc if acc is not None else state_indices,
+        ring_d, ring_k, ring_g, cursor,
+        float(scale),
+        mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc,
+        ss, sd, sk, sg,
+        H=H, HV=HV, K=K, V=V, L=L,
+        BK=max(16, triton.next_power_of_2(K)), BV=BV,
+        LP=max(16, triton.next_power_of_2(L)), WP=max(16, triton.next_power_of_2(max_tokens)),
+        MAXT=max_tokens,
+        HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
+        num_warps=num_warps, num_stages=1,
+    )
+    return out3
+
+
+def ring_commit(cursor: torch.Tensor, state_indices: torch.Tensor, num_accepted: torch.Tensor | None,
+                L: int) -> None:
+    """Delayed commit alone (semantics of `ring_commit_pending_reference` on the packed word):
+    n = min(n + min(num_accepted, pending), L) where a window is pending, pending = 0; rows
+    with slot <= 0 ignored; num_accepted None drops the windows. Afterwards the slots hold the
+    plain entry count that ring_decode / ring_materialize expect. Graph safe, no host sync."""
+    if cursor.ndim != 1 or cursor.dtype != torch.int32 or cursor.stride(0) != 1:
+        raise ValueError("cursor must be a contiguous 1-D int32 tensor")
+    if state_indices.ndim != 1:
+        raise ValueError(f"state_indices must be 1-D (got {tuple(state_indices.shape)})")
+    if not isinstance(L, int) or not 1 <= L <= _FIELD_MASK:
+        raise ValueError(f"L must be an int in [1, {_FIELD_MASK}] (got {L!r})")
+    n = state_indices.shape[0]
+    _check_device(cursor.device, state_indices=state_indices)
+    acc, s_acc = _rows_tensor(num_accepted, n, "num_accepted", cursor.device)
+    if n == 0:
+        return
+    BLOCK = 128
+    _ring_commit_kernel[(triton.cdiv(n, BLOCK),)](
+        cursor, state_indices, acc if acc is not None else state_indices, n,
+        state_indices.stride(0), s_acc, L=L, HAS_ACC=acc is not None, BLOCK=BLOCK, num_warps=4,
+    )
