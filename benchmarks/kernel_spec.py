@@ -1,0 +1,393 @@
+#!/usr/bin/env python3
+"""Kernel benchmark, speculative decoding: our ring verify vs vLLM's native GDN spec kernel.
+
+    python benchmarks/kernel_spec.py --vllm-root DIR [--out-dir benchmarks/results]
+    python benchmarks/kernel_spec.py --vllm-root DIR --smoke      # CPU, TRITON_INTERPRET=1
+
+Arms, in one process on one GPU, on the same inputs:
+
+* native: `fused_sigmoid_gating_delta_rule_update` (vLLM's FLA kernel, loaded from the file in
+  an unpacked vLLM tree or an installed vLLM) with 1+T state slots per request: it reads the
+  slot of the last accepted token and writes the state after every token of the window;
+* ours: `ring_verify` (one checkpoint slot per request + a 32-entry replay ring; the delayed
+  commit of the previous window from num_accepted runs inside the same launch).
+
+Shape: Qwen3.5-9B / Qwen3-Next GDN (H=16, HV=32, K=V=128), fp32 SSM state (Qwen3.5's
+default), bf16 activations, fp32 ring (the integration's default for an fp32 state).
+T = 4 and 8 drafts (windows of T+1 tokens), batch 16, 32, 64, 128, 256.
+
+Timing: a step = one call per layer. Accepted counts are drawn per (step, row) uniformly in
+1..T+1 (fixed seed, a table of S steps; a second "ours, all accepted" arm is the worst case
+for the ring: it fills fastest and flushes most). For each arm a CUDA graph is captured over
+S steps x NL layers (NL independent buffer sets so that NL x bytes per layer >= 256 MiB: a
+layer's state is not still in L2 from the previous step); the graphs replay alternately, each
+timed with CUDA events; the median over replays / (S x NL) is the time per layer-step. The
+ring's state evolves across replays (cursors, flushes) as in a real run.
+
+Before timing, a sanity check runs both kernels from the same state for two steps (the second
+with random accepted counts) and reports the largest relative output difference.
+
+GDN cache bytes per request at T = 7 (Qwen3.5-9B GDN layer, conv state bf16, vLLM's page =
+conv + SSM state): native keeps 1+T pages, ours one page plus the ring.
+
+Writes <out-dir>/kernel_spec.json (with `summary.speedup_b256_t8` and
+`summary.gdn_cache_bytes_ratio_t7`) and <out-dir>/kernel_spec.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+H, HV, HEAD = 16, 32, 128
+STATE_DTYPE = torch.float32
+ACT_DTYPE = torch.bfloat16
+RING_DTYPE = torch.float32
+L = 32
+TS = [4, 8]
+BATCHES = [16, 32, 64, 128, 256]
+STEPS = 8  # steps per captured graph (one acceptance table)
+REPLAYS = 15
+MIN_FOOTPRINT = 256 << 20
+MAX_LAYERS = 32
+CONV_KERNEL = 4
+NATIVE_FILE = os.path.join("vllm", "third_party", "flash_linear_attention", "ops", "fused_sigmoid_gating.py")
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's native spec kernel, loaded from its source file
+# --------------------------------------------------------------------------------------------
+
+def load_native(vllm_root: str | None):
+    """(fused_sigmoid_gating_delta_rule_update, where it came from).
+
+    The module needs only torch and `vllm.triton_utils.{triton, tl}`; importing vLLM itself
+    from an unpacked tree (no compiled extensions, no package metadata) would swap triton for
+    a placeholder, so the file is loaded on its own with a stand-in `vllm.triton_utils`."""
+    import triton
+    import triton.language as tl
+
+    if vllm_root:
+        path = os.path.join(vllm_root, NATIVE_FILE)
+    else:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("vLLM not found: pass --vllm-root DIR (an unpacked vLLM wheel)")
+        path = os.path.join(os.path.dirname(list(spec.submodule_search_locations)[0]), NATIVE_FILE)
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path} does not exist (--vllm-root must hold the vllm/ package folder)")
+    version = "unknown"
+    vfile = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(path)))), "_version.py")
+    if os.path.isfile(vfile):
+        import re
+
+        m = re.search(r"^__version__\s*=.*?['\"]([^'\"]+)['\"]", open(vfile).read(), re.M)
+        version = m.group(1) if m else version
+    if "vllm.triton_utils" not in sys.modules:
+        pkg = sys.modules.get("vllm") or types.ModuleType("vllm")
+        pkg.__path__ = getattr(pkg, "__path__", [])
+        tu = types.ModuleType("vllm.triton_utils")
+        tu.triton, tu.tl = triton, tl
+        sys.modules.setdefault("vllm", pkg)
+        sys.modules["vllm.triton_utils"] = tu
+    spec = importlib.util.spec_from_file_location("_native_fused_sigmoid_gating", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.fused_sigmoid_gating_delta_rule_update, {"file": path, "vllm_version": version}
+
+
+# --------------------------------------------------------------------------------------------
+# Buffers
+# --------------------------------------------------------------------------------------------
+
+class Layer:
+    """One layer's inputs for B requests x W tokens, our checkpoint + ring, native's 1+T slots."""
+
+    def __init__(self, B, T, gen, dev, ours=True, native=True, shape=(H, HV, HEAD)):
+        h, hv, kd = shape
+        self.h, self.hv, self.kd = h, hv, kd
+        W = T + 1
+        self.B, self.T, self.W = B, T, W
+        ntok = B * W
+        self.qkv = torch.randn(ntok, 2 * h * kd + hv * kd, generator=gen, device=dev).to(ACT_DTYPE)
+        # native takes q, k, v split (vLLM passes views; its launcher makes them contiguous):
+        # pre-split contiguous copies, so no copy is timed
+        q, k, v = torch.split(self.qkv, [h * kd, h * kd, hv * kd], dim=-1)
+        self.q = q.reshape(1, ntok, h, kd).contiguous()
+        self.k = k.reshape(1, ntok, h, kd).contiguous()
+        self.v = v.reshape(1, ntok, hv, kd).contiguous()
+        self.a = torch.randn(ntok, hv, generator=gen, device=dev).to(ACT_DTYPE)
+        self.b = torch.randn(ntok, hv, generator=gen, device=dev).to(ACT_DTYPE)
+        self.A_log = torch.rand(hv, generator=gen, device=dev) * 2 - 1
+        self.dt_bias = torch.randn(hv, generator=gen, device=dev)
+        self.cu = torch.arange(0, ntok + 1, W, dtype=torch.int32, device=dev)
+        self.out = torch.empty(ntok, hv, kd, dtype=ACT_DTYPE, device=dev)
+        s0 = torch.randn(B, hv, kd, kd, generator=gen, device=dev) * 0.05
+        if ours:
+            self.idx = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
+            self.state = torch.zeros(B + 1, hv, kd, kd, dtype=STATE_DTYPE, device=dev)
+            self.state[1:] = s0.to(STATE_DTYPE)
+            self.ring_d = torch.zeros(B + 1, hv, L, kd, dtype=RING_DTYPE, device=dev)
+            self.ring_k = torch.zeros(B + 1, h, L, kd, dtype=RING_DTYPE, device=dev)
+            self.ring_g = torch.zeros(B + 1, hv, L, dtype=torch.float32, device=dev)
+            self.cursor = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        if native:
+            slots = B * W + 1
+            self.nstate = torch.zeros(slots, hv, kd, kd, dtype=STATE_DTYPE, device=dev)
+            self.nidx = torch.arange(1, slots, dtype=torch.int32, device=dev).view(B, W)
+            self.nstate[self.nidx[:, 0].long()] = s0.to(STATE_DTYPE)
+
+    def ours(self, acc):
+        from replayssm_patch._vendored.ring_verify import ring_verify
+
+        ring_verify(self.qkv, self.a, self.b, self.A_log, self.dt_bias, self.kd ** -0.5, self.state, self.out,
+                    self.idx, self.cu, self.ring_d, self.ring_k, self.ring_g, self.cursor, acc, self.W)
+        return self.out
+
+    def native(self, fn, acc):
+        o, _ = fn(A_log=self.A_log, a=self.a, b=self.b, dt_bias=self.dt_bias, q=self.q, k=self.k, v=self.v,
+                  scale=self.kd ** -0.5, initial_state=self.nstate, inplace_final_state=True,
+                  cu_seqlens=self.cu, ssm_state_indices=self.nidx, num_accepted_tokens=acc,
+                  use_qk_l2norm_in_kernel=True)
+        return o
+
+
+def bytes_per_layer(B, T, arm):
+    W = T + 1
+    st = HV * HEAD * HEAD * torch.tensor([], dtype=STATE_DTYPE).element_size()
+    rb = torch.tensor([], dtype=RING_DTYPE).element_size()
+    ring = HV * L * HEAD * rb + H * L * HEAD * rb + HV * L * 4
+    io = B * W * (2 * H * HEAD + HV * HEAD + 2 * HV + HV * HEAD) * 2
+    if arm == "native":
+        return B * W * st + io
+    return B * (st + ring) + io
+
+
+def gdn_cache_bytes_per_request(T, ring_dtype=RING_DTYPE):
+    """(native, ours) GDN cache bytes per request and layer (Qwen3.5-9B GDN layer)."""
+    conv_dim = 2 * H * HEAD + HV * HEAD
+    conv = (CONV_KERNEL - 1 + T) * conv_dim * 2  # bf16 conv state, rows for the drafts
+    ssm = HV * HEAD * HEAD * torch.tensor([], dtype=STATE_DTYPE).element_size()
+    rb = torch.tensor([], dtype=ring_dtype).element_size()
+    ring = HV * L * 4 + HV * L * HEAD * rb + H * L * HEAD * rb
+    return (1 + T) * (conv + ssm), conv + ssm + ring
+
+
+def acceptance_table(B, T, steps, seed, mode, dev):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if mode == "all":
+        t = torch.full((steps, B), T + 1, dtype=torch.int32)
+    else:
+        t = torch.randint(1, T + 2, (steps, B), generator=g, dtype=torch.int32)
+    return [row.to(dev) for row in t]
+
+
+# --------------------------------------------------------------------------------------------
+# Sanity check: both kernels from the same state
+# --------------------------------------------------------------------------------------------
+
+def sanity(native_fn, dev, B=4, T=3, shape=(H, HV, HEAD)):
+    gen = torch.Generator(device=dev).manual_seed(7)
+    lay = Layer(B, T, gen, dev, shape=shape)
+    worst = 0.0
+    for step, acc in enumerate([torch.ones(B, dtype=torch.int32, device=dev),
+                                torch.tensor([1, T + 1, 2, T][:B] + [1] * max(0, B - 4), dtype=torch.int32, device=dev)]):
+        if step:  # new inputs for the second window
+            for t in (lay.qkv, lay.a, lay.b):
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev).to(t.dtype))
+            q, k, v = torch.split(lay.qkv, [lay.h * lay.kd, lay.h * lay.kd, lay.hv * lay.kd], dim=-1)
+            lay.q.copy_(q.reshape(lay.q.shape))
+            lay.k.copy_(k.reshape(lay.k.shape))
+            lay.v.copy_(v.reshape(lay.v.shape))
+        o_ours = lay.ours(acc).float().clone()
+        o_nat = lay.native(native_fn, acc).float().reshape(o_ours.shape)
+        err = float((o_ours - o_nat).norm() / o_nat.norm())
+        worst = max(worst, err)
+    return worst
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+def _capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up (compiles) outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def time_cell(native_fn, B, T, dev):
+    gen = torch.Generator(device=dev).manual_seed(B * 100 + T)
+    nl_o = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / bytes_per_layer(B, T, "ours"))))
+    nl_n = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / bytes_per_layer(B, T, "native"))))
+    ours = [Layer(B, T, gen, dev, native=False) for _ in range(nl_o)]
+    nat = [Layer(B, T, gen, dev, ours=False) for _ in range(nl_n)]
+    acc_u = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
+    acc_all = acceptance_table(B, T, STEPS, seed=0, mode="all", dev=dev)
+
+    def run_ours(table):
+        def f():
+            for acc in table:
+                for lay in ours:
+                    lay.ours(acc)
+        return f
+
+    def run_native():
+        for acc in acc_u:
+            for lay in nat:
+                lay.native(native_fn, acc)
+
+    graphs = {"ours": (_capture(run_ours(acc_u)), nl_o), "ours_all_accepted": (_capture(run_ours(acc_all)), nl_o),
+              "native": (_capture(run_native), nl_n)}
+    for g, _ in graphs.values():  # settle the ring's cursors into their steady state
+        g.replay()
+    torch.cuda.synchronize()
+    times = {k: [] for k in graphs}
+    for _ in range(REPLAYS):
+        for name, (g, nl) in graphs.items():
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            times[name].append(e0.elapsed_time(e1) * 1e3 / (STEPS * nl))  # us per layer-step
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ok = all(torch.isfinite(lay.out.float()).all() for lay in ours)
+    del graphs, ours, nat
+    torch.cuda.empty_cache()
+    return {"B": B, "T": T, "layers_ours": nl_o, "layers_native": nl_n,
+            "us_native": med["native"], "us_ours": med["ours"], "us_ours_all_accepted": med["ours_all_accepted"],
+            "speedup": med["native"] / med["ours"],
+            "speedup_all_accepted": med["native"] / med["ours_all_accepted"],
+            "native_GBps": bytes_per_layer(B, T, "native") / (med["native"] * 1e-6) / 1e9,
+            "ours_outputs_finite": bool(ok)}
+
+
+def write_results(res, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "kernel_spec.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    s = res["summary"]
+    lines = [
+        "# Speculative verify kernel: ours (1 slot + ring) vs vLLM native (1+T slots)",
+        "",
+        f"{res['device']}, torch {res['torch']}, triton {res['triton']}, native from vLLM "
+        f"{res['native']['vllm_version']}; H={H}, HV={HV}, K=V={HEAD}, fp32 state, bf16 activations, "
+        f"fp32 ring of L={L}; CUDA graphs, median of {REPLAYS} replays of {STEPS} steps; "
+        "time per layer-step in microseconds. Accepted counts uniform in 1..T+1 "
+        "(\"all accepted\": every window fully accepted, the ring's worst case).",
+        "",
+        f"Sanity check (same state, two steps, T=3, B=4): max relative output difference "
+        f"{res['sanity_rel_diff']:.2e}.",
+        "",
+        "| T | batch | native us | ours us | speedup | ours all-accepted us | speedup all-accepted |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in res["cells"]:
+        lines.append(f"| {c['T']} | {c['B']} | {c['us_native']:.1f} | {c['us_ours']:.1f} | {c['speedup']:.2f}x | "
+                     f"{c['us_ours_all_accepted']:.1f} | {c['speedup_all_accepted']:.2f}x |")
+    lines += [
+        "",
+        f"speedup at batch 256, T=8: {s['speedup_b256_t8']:.2f}x (all accepted: "
+        f"{s['speedup_b256_t8_all_accepted']:.2f}x)",
+        "",
+        f"GDN cache bytes per request and layer at T=7 (conv + SSM state pages; ours + fp32 ring, L={L}): "
+        f"native {s['gdn_cache_bytes_t7']['native']} B, ours {s['gdn_cache_bytes_t7']['ours']} B, "
+        f"ratio {s['gdn_cache_bytes_ratio_t7']:.2f}x (bf16 ring: {s['gdn_cache_bytes_ratio_t7_bf16_ring']:.2f}x)",
+        "",
+        f"Command: `{res['command']}`",
+    ]
+    with open(os.path.join(out_dir, "kernel_spec.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def cache_summary():
+    nat, ours = gdn_cache_bytes_per_request(7)
+    _, ours16 = gdn_cache_bytes_per_request(7, torch.bfloat16)
+    return {"gdn_cache_bytes_t7": {"native": nat, "ours": ours}, "gdn_cache_bytes_ratio_t7": nat / ours,
+            "gdn_cache_bytes_ratio_t7_bf16_ring": nat / ours16}
+
+
+def smoke(native_fn, info):
+    """CPU run under TRITON_INTERPRET=1: the wiring of both arms at a tiny shape (no timing)."""
+    err = sanity(native_fn, "cpu", B=4, T=3, shape=(2, 4, 32))
+    print(json.dumps({"smoke": True, "native": info, "sanity_rel_diff": err, **cache_summary()}))
+    # ragged acceptance over several steps, both arms finite
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    lay = Layer(3, 2, gen, "cpu", shape=(2, 4, 32))
+    for acc in acceptance_table(3, 2, 4, seed=3, mode="uniform", dev="cpu"):
+        assert torch.isfinite(lay.ours(acc).float()).all()
+        assert torch.isfinite(lay.native(native_fn, acc).float()).all()
+    if err > 2e-2:
+        raise SystemExit(f"sanity check failed: ours vs native rel diff {err}")
+    return err
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-root", default=None, help="folder holding an unpacked vllm/ package")
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--smoke", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1")
+    args = ap.parse_args(argv)
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment")
+    native_fn, info = load_native(args.vllm_root)
+    if args.smoke:
+        smoke(native_fn, info)
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --smoke on the CPU)")
+    import triton
+
+    t0 = time.time()
+    dev = "cuda"
+    err = sanity(native_fn, dev)
+    print(f"sanity: ours vs native max rel output diff {err:.2e}", flush=True)
+    if err > 2e-2:
+        raise SystemExit(f"sanity check failed: ours vs native rel diff {err}")
+    cells = []
+    for T in TS:
+        for B in BATCHES:
+            c = time_cell(native_fn, B, T, dev)
+            cells.append(c)
+            print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in c.items()}), flush=True)
+    pick = next(c for c in cells if c["B"] == 256 and c["T"] == 8)
+    res = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+        "native": info, "shape": {"H": H, "HV": HV, "K": HEAD, "V": HEAD, "L": L, "state": "fp32",
+                                  "activations": "bf16", "ring": str(RING_DTYPE).replace("torch.", "")},
+        "steps_per_graph": STEPS, "replays": REPLAYS, "sanity_rel_diff": err, "cells": cells,
+        "summary": {"speedup_b256_t8": pick["speedup"], "speedup_b256_t8_all_accepted": pick["speedup_all_accepted"],
+                    **cache_summary()},
+        "seconds": round(time.time() - t0, 1),
+        "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
+    }
+    write_results(res, args.out_dir)
+    print(json.dumps(res["summary"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
