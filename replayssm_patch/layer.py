@@ -14,7 +14,7 @@ import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
-from . import intercept
+from . import intercept, shadow
 from .backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata
 from .layer_registry import layer_report
 from .ring_plan import RingPlan
@@ -66,6 +66,8 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         g, d, k = views
         cursor = torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device)
         self.replay_ring = RingBuffers(g=g, d=d, k=k, cursor=cursor)
+        if shadow.poison_enabled():  # testing aid: garbage in every ring nobody started yet
+            shadow.poison_rings(self.replay_ring)
 
     def get_attn_backend(self):
         return ReplayGDNAttentionBackend if self.ring_plan is not None else super().get_attn_backend()

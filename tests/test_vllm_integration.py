@@ -6,6 +6,11 @@ Each arm runs in its own process (replayssm_patch.testing.engine_runner). What i
   ring on an exact copy of every slot's state, through every scheduling path the scenario
   takes (flushes, prefix-cache blocks, mixed batches, preemption); the ring's outputs must
   stay within bf16 rounding of it;
+* poison: every patched engine starts with garbage in every slot's ring and a non-zero cursor
+  (VLLM_GDN_REPLAYSSM_POISON_UNUSED=1), so a path that reads a ring it did not start itself
+  (a prefill that does not reset its slots' rings, an ignored `ring_start_empty` at a block
+  crossing, a preempted request resumed, a freed block reused) shows up in the shadow check
+  and the tokens instead of passing silently on zero-initialised cursors;
 * the ring is really used (decode calls, flushes) and really allocated (page bytes grow by
   exactly the ring's size);
 * generated tokens: every request is identical to native or first differs where native's top-2
@@ -63,7 +68,7 @@ def models():
 def _env(tmp_path, mp: bool, extra=None):
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0",
-               VLLM_GDN_REPLAYSSM_SHADOW="1")
+               VLLM_GDN_REPLAYSSM_SHADOW="1", VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     env.pop("VLLM_GDN_REPLAYSSM", None)
     env.update(extra or {})
@@ -110,6 +115,8 @@ def check_pair(label, native, patched, control=None, expect_ring_bytes=None):
 def check_counters(status, min_flushes):
     c = status["counters"]
     assert c.get("decode_calls", 0) > 0, c
+    assert c.get("poisoned_slots", 0) > 0, c  # the rings started as garbage
+    assert c.get("shadow_nonfinite", 0) == 0, c
     assert c.get("flushes", 0) >= min_flushes, c
     assert c.get("shadow_checks", 0) == c["decode_calls"], c
     assert c["shadow_max_rel_err_x1e6"] < SHADOW_TOL * 1e6, c
