@@ -7,6 +7,12 @@
 #   bash benchmarks/gpu_run.sh stage           # copy whatever of .bundle/ travelled to /tmp/bundle
 #   bash benchmarks/gpu_run.sh install         # unpack vLLM into /tmp/vllm-site, install this project
 #   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first)
+#
+# Kernel-only steps need no install, just vLLM's .py files for the native kernel (a tarball of
+# the vllm/ tree of the 0.33.0 wheel, *.py only, ~7 MB, e.g. .work/vl033.tar.xz):
+#   bash benchmarks/gpu_run.sh vltree .work/vl033.tar.xz   # unpack it to /tmp/vl
+#   bash benchmarks/gpu_run.sh ktest                        # tests/gpu, errors to $OUT
+#   bash benchmarks/gpu_run.sh kbench [kernel_decode.py args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -31,5 +37,11 @@ case "${1:?step}" in
     cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true ;;
   e2e)
     shift; python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode.json" --kernel-json benchmarks/results/kernel_decode.json "$@" 2>&1 | tail -40 ;;
+  vltree)
+    mkdir -p /tmp/vl && tar xJf "${2:?tarball}" -C /tmp/vl && ls /tmp/vl ;;
+  ktest)
+    RING_KERNEL_GPU_REPORT="$OUT/gpu_test_errors.jsonl" python3 -m pytest -q -n 8 ${KTESTS:-tests/gpu/test_ring_kernel_gpu.py} 2>&1 | tail -15 ;;
+  kbench)
+    shift; python3 benchmarks/kernel_decode.py --vllm-root /tmp/vl --out-dir "$OUT" "$@" 2>&1 | tail -80 ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -7,7 +7,8 @@ Both arms run in one process on one GPU, interleaved, on the same shapes:
 
 * Qwen3.5-122B (H=16, HV=64) and Qwen3-Next (H=16, HV=32), K = V = 128;
 * state fp32 / fp16 / bf16, activations bf16 (vLLM's native kernel takes any state dtype with
-  any activation dtype: it computes in fp32 and casts on store), ring d/k bf16, ring g fp32;
+  any activation dtype: it computes in fp32 and casts on store), ring d/k bf16 (--ring-dtype
+  fp32 for the integration's default with fp32 states), ring g fp32;
 * batch 1, 2, 4, ..., 512; ring length L = 16.
 
 Timing: whole L-step cycles. Row r starts at cursor r % L, so each step 1/L of the rows flush
@@ -57,8 +58,12 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 L = 16
 # Launch configurations (BV, num_warps, prefetch_ring, group_heads) timed beside the
 # shipped heuristic (see ring_decode.pick_decode_config).
+# A fifth element 1 / 2 selects the two-phase launch (prep + main kernel; 2 = with programmatic
+# dependent launch).
 SWEEP = [(16, 1, True, False), (32, 1, True, False), (32, 1, True, True), (64, 2, False, True),
-         (128, 4, False, True), (128, 8, False, True)]
+         (8, 1, False, False, 1), (16, 1, False, False, 1), (32, 1, False, False, 1),
+         (64, 2, False, False, 1), (8, 1, False, False, 2), (16, 1, False, False, 2),
+         (32, 1, False, False, 2)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -266,6 +271,8 @@ def copy_bandwidth():
 
 def cfg_name(cfg):
     bv, w, pre = cfg[:3]
+    if len(cfg) > 4 and cfg[4]:
+        return f"2phase_bv{bv}_w{w}{'_pdl' if cfg[4] == 2 else ''}"
     grp = len(cfg) > 3 and cfg[3]
     return f"bv{bv}_w{w}_{'prefetch' if pre else 'masked'}{'_grouped' if grp else ''}"
 
@@ -285,7 +292,8 @@ def run(args):
     for _, H, HV in shapes:
         for sdt_name in dtypes:
             jobs.append(("native", H, HV, sdt_name, None, args.vllm_root))
-            cfgs = set(SWEEP if args.sweep else [])
+            cfgs = {c for c in (SWEEP if args.sweep else [])
+                    if args.sweep_only is None or cfg_name(c) in args.sweep_only}
             cfgs |= {pick_decode_config(b, HV, HEAD_DIM, HEAD_DIM, STATE_DTYPES[sdt_name], dev, H) for b in batches}
             for c in sorted(cfgs):
                 jobs.append(("ours", H, HV, sdt_name, c, args.vllm_root))
@@ -324,7 +332,8 @@ def run(args):
                           "ours": capture(lambda ly: ly.ours(None), layers)}
                 for ly in layers:
                     assert torch.equal(ly.cursor, ly.cursor0), "a cycle must return the cursors"
-                sweep_cfgs = [c for c in (SWEEP if args.sweep else []) if c != heur]
+                sweep_cfgs = [c for c in (SWEEP if args.sweep else []) if c != heur
+                              and (args.sweep_only is None or cfg_name(c) in args.sweep_only)]
                 for c in sweep_cfgs:
                     graphs[cfg_name(c)] = capture(lambda ly, c=c: ly.ours(c), layers)
                 main = time_graphs({k: graphs[k] for k in ("native", "ours")}, args.reps)
@@ -343,7 +352,7 @@ def run(args):
                 roof_us = b_ours / bw * 1e6
                 row = {
                     "shape": shape_name, "H": H, "HV": HV, "K": HEAD_DIM, "V": HEAD_DIM,
-                    "state_dtype": sdt_name, "act_dtype": "bf16", "ring_dtype": "bf16", "L": L,
+                    "state_dtype": sdt_name, "act_dtype": "bf16", "ring_dtype": args.ring_dtype, "L": L,
                     "batch": B, "layers": NL,
                     "native_us": round(t_nat, 3), "ours_us": round(t_our, 3),
                     "speedup": round(t_nat / t_our, 4),
@@ -396,9 +405,9 @@ def finalize(rows, meta):
     result = {k: v for k, v in meta.items() if k not in ("args", "bw")}
     result.update({"summary": summary, "rows": rows, "gpu_test_errors": tests})
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "kernel_decode.json"), "w") as f:
+    with open(os.path.join(args.out_dir, args.json_name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(args.out_dir, "kernel_decode.md"), "w") as f:
+    with open(os.path.join(args.out_dir, args.json_name + ".md"), "w") as f:
         f.write(render_md(result))
     return summary
 
@@ -474,7 +483,8 @@ def render_md(res):
         f"Command: `{res['command']}`" + (f"; then `{res['rescored_by']}`" if shipped else ""),
         "",
         f"Method: {res['method']}. Ring length L={res['L']}, cursors staggered (row r starts at "
-        "r % L), activations bf16, ring d/k bf16, ring g fp32, K=V=128. Roofline = bytes ours "
+        f"r % L), activations bf16, ring d/k {res['rows'][0].get('ring_dtype', 'bf16')}, ring g fp32, "
+        "K=V=128. Roofline = bytes ours "
         f"must move per step / measured copy bandwidth ({s['copy_bandwidth_TBps']} TB/s, read+write).",
         "",
         f"**Summary:** min speedup native/ours = **{s['min_speedup']}** ({s['min_speedup_at']}), "
@@ -539,12 +549,19 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     ap.add_argument("--dtypes", nargs="*", default=list(STATE_DTYPES))
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    ap.add_argument("--ring-dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="ring d/k dtype (the integration uses fp32 rings for fp32 states by default)")
+    ap.add_argument("--sweep-only", nargs="*", default=None, metavar="NAME",
+                    help="time only these swept configurations (cfg_name form) beside the shipped one")
+    ap.add_argument("--json-name", default="kernel_decode", help="results file stem in --out-dir")
     ap.add_argument("--test-report", default=None, help="JSON lines written by the GPU tests")
     ap.add_argument("--rescore", default=None, metavar="JSON",
                     help="no GPU: re-pick configs with the current launch table from a results "
                          "file's sweep and rewrite it and its .md")
     ap.add_argument("--note", default=None, help="with --rescore: a note to keep in the results")
     args = ap.parse_args(argv)
+    global RING_DTYPE
+    RING_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.ring_dtype]
     if args.rescore:
         print(json.dumps(rescore(args.rescore, args.test_report, args.note), indent=1))
         return

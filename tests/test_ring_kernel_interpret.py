@@ -180,6 +180,24 @@ def case_fp32_no_l2norm_default_config():
                        tol_out=1e-2, tol_state=1e-2)
 
 
+def case_two_phase_fp32_flags_full_ring():
+    import torch
+
+    # The prep + main kernel launch: force_flush, start_empty, n == L, null/padded rows, GQA 2,
+    # two value blocks per head.
+    return _run_cycles(H=2, HV=4, K=16, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
+                       adt=torch.float32, steps=9, config=(16, 1, False, False, 1), full_ring=True,
+                       use_force=True, use_start_empty=True, tol_out=1e-5, tol_state=1e-5)
+
+
+def case_two_phase_bf16_strided_gqa3():
+    import torch
+
+    return _run_cycles(H=1, HV=3, K=16, V=16, L=3, sdt=torch.bfloat16, rdt=torch.bfloat16,
+                       adt=torch.bfloat16, steps=7, config=(16, 1, False, False, 1), strided=True,
+                       out4=True, seed=6, tol_out=2e-2, tol_state=2e-2)
+
+
 def case_materialize_reset():
     import torch
 
@@ -251,6 +269,8 @@ CASES = [
     case_bf16_state_bf16_ring_gqa8_out4,
     case_fp16_state_strided_k64,
     case_fp32_no_l2norm_default_config,
+    case_two_phase_fp32_flags_full_ring,
+    case_two_phase_bf16_strided_gqa3,
     case_materialize_reset,
     case_rejects_bad_inputs,
 ]

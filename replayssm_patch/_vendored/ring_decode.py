@@ -209,6 +209,188 @@ def _ring_decode_kernel(
         tl.atomic_xchg(cursor + slot, new_n, sem="relaxed")
 
 
+# --------------------------------------------------------------------------------------------
+# Two-phase decode: a per-(row, key head) prep kernel does all the O(L K) ring work once, then
+# the main kernel's per-(row, value head, value block) programs only read the checkpoint tile
+# and the live ring d entries -- fewer instructions per state byte than native's own decode.
+# --------------------------------------------------------------------------------------------
+# Scratch written by the prep kernel, read by the main kernel (fp32 unless noted):
+#   qk    [N, H, 2, BK]   q (L2-normalised, scaled) and k (L2-normalised)
+#   coef  [N, HV, 4, LP]  row 0: w_j = exp(G_n - G_j), row 1: w_j (k_j . q), row 2: w_j (k_j . k)
+#                         (0 at j >= n); row 3: exp(G_n), alpha, beta, k . q at columns 0..3
+#   meta  [N] int32       n | flush << 16
+# The cursor is read only by prep and written only by main (one program per row), so the
+# two phases need no atomics: the kernel boundary orders every read before the write.
+
+
+@triton.jit
+def _ring_prep_kernel(
+    qkv, a, b, A_log, dt_bias, idx, ring_k, ring_g, cursor, force_flush, start_empty,
+    qk, coef, meta,
+    scale,
+    stride_qkv, stride_a, stride_b, stride_idx, stride_ff, stride_se,
+    slot_stride_k, slot_stride_g,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, LP: tl.constexpr, GP: tl.constexpr,
+    HAS_FF: tl.constexpr, HAS_SE: tl.constexpr, L2NORM: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_h = pid % H
+    row = (pid // H).to(tl.int64)
+    GROUP: tl.constexpr = HV // H
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the main kernel may start loading its tiles
+
+    o_k = tl.arange(0, BK)
+    o_l = tl.arange(0, LP)
+    o_g = tl.arange(0, GP)
+    m_k = o_k < K
+    m_g = o_g < GROUP
+    hv = i_h * GROUP + o_g
+
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
+    if slot <= 0:
+        return  # the main kernel writes the zero output
+
+    p_x = qkv + row * stride_qkv
+    q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    a_t = tl.load(a + row * stride_a + hv, mask=m_g, other=0.0).to(tl.float32)
+    b_t = tl.load(b + row * stride_b + hv, mask=m_g, other=0.0).to(tl.float32)
+    A_t = tl.load(A_log + hv, mask=m_g, other=0.0).to(tl.float32)
+    dtb = tl.load(dt_bias + hv, mask=m_g, other=0.0).to(tl.float32)
+
+    n = tl.load(cursor + slot)
+    if HAS_SE:
+        if tl.load(start_empty + row * stride_se) != 0:
+            n = n * 0
+    n = tl.minimum(n, L)
+    live = o_l < n
+    flush = n + 1 >= L
+    if HAS_FF:
+        flush = flush | (tl.load(force_flush + row * stride_ff) != 0)
+
+    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
+    rk = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
+    rk = rk.to(tl.float32)
+    p_g = ring_g + slot * slot_stride_g + hv[:, None] * L + o_l[None, :]
+    Gr = tl.load(p_g, mask=m_g[:, None] & live[None, :], other=0.0)  # [GP, LP]
+
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    q = q * scale
+    p_qk = qk + (row * H + i_h) * (2 * BK) + o_k
+    tl.store(p_qk, q)
+    tl.store(p_qk + BK, k)
+
+    kq = tl.where(live, tl.sum(rk * q[None, :], 1), 0.0)  # [LP]: k_j . q (entries >= n unread)
+    kk = tl.where(live, tl.sum(rk * k[None, :], 1), 0.0)
+    k_dot_q = tl.sum(k * q)
+
+    x = a_t + dtb
+    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+    g = -tl.exp(A_t) * softplus
+    alpha = tl.exp(g)
+    beta = 1.0 / (1.0 + tl.exp(-b_t))
+    G_n = tl.sum(tl.where(o_l[None, :] == n - 1, Gr, 0.0), 1)  # [GP]; 0 when the ring is empty
+    w = tl.where(live[None, :], tl.exp(G_n[:, None] - Gr), 0.0)  # [GP, LP]
+    scal = tl.where(o_l[None, :] == 0, tl.exp(G_n)[:, None],
+                    tl.where(o_l[None, :] == 1, alpha[:, None],
+                             tl.where(o_l[None, :] == 2, beta[:, None], k_dot_q)))
+    p_c = coef + (row * HV + hv[:, None]) * (4 * LP) + o_l[None, :]
+    m_c = m_g[:, None] & (o_l[None, :] < LP)
+    tl.store(p_c, w, mask=m_c)
+    tl.store(p_c + LP, w * kq[None, :], mask=m_c)
+    tl.store(p_c + 2 * LP, w * kk[None, :], mask=m_c)
+    tl.store(p_c + 3 * LP, scal, mask=m_c)
+
+    if not flush:  # append this step's key and cumulative gate at entry n (the main kernel adds d)
+        tl.store(ring_g + slot * slot_stride_g + hv * L + n, G_n + g, mask=m_g)
+        tl.store(p_kr + n * K + o_k, k.to(ring_k.dtype.element_ty), mask=m_k)
+    if i_h == 0:
+        tl.store(meta + row, n | (flush.to(tl.int32) << 16))
+
+
+@triton.jit
+def _ring_main_kernel(
+    qkv, out, state, idx, ring_d, ring_k, cursor, qk, coef, meta,
+    stride_qkv, stride_idx,
+    slot_stride_state, slot_stride_d, slot_stride_k,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_hv = (pid // NV) % HV
+    row = (pid // (NV * HV)).to(tl.int64)
+    GROUP: tl.constexpr = HV // H
+    i_h = i_hv // GROUP
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_l = tl.arange(0, LP)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_vk = m_v[:, None] & m_k[None, :]
+
+    p_out = out + (row * HV + i_hv) * V + o_v
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
+    if slot <= 0:
+        tl.store(p_out, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=m_v)
+        return
+
+    # Inputs that do not depend on the prep kernel first (with PDL they load while it runs).
+    p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
+    S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
+    v = tl.load(qkv + row * stride_qkv + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+    info = tl.load(meta + row)
+    n = info & 0xFFFF
+    flush = (info >> 16) != 0
+    live = o_l < n
+    p_qk = qk + (row * H + i_h) * (2 * BK) + o_k
+    q = tl.load(p_qk)
+    k = tl.load(p_qk + BK)
+    c_row = coef + (row * HV + i_hv) * (4 * LP)
+    p_c = c_row + o_l
+    cq = tl.load(p_c + LP)
+    ck = tl.load(p_c + 2 * LP)
+    scal = tl.load(p_c + 3 * LP)
+    eG = tl.sum(tl.where(o_l == 0, scal, 0.0))
+    alpha = tl.sum(tl.where(o_l == 1, scal, 0.0))
+    beta = tl.sum(tl.where(o_l == 2, scal, 0.0))
+    k_dot_q = tl.sum(tl.where(o_l == 3, scal, 0.0))
+    p_dr = ring_d + slot * slot_stride_d + i_hv * (L * V)
+    rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
+    rd = rd.to(tl.float32)
+
+    Sq = eG * tl.sum(S * q[None, :], 1) + tl.sum(rd * cq[:, None], 0)
+    Sk = eG * tl.sum(S * k[None, :], 1) + tl.sum(rd * ck[:, None], 0)
+    d = beta * (v - alpha * Sk)
+    o = alpha * Sq + d * k_dot_q
+    tl.store(p_out, o.to(out.dtype.element_ty), mask=m_v)
+
+    if flush:
+        # Same rank-1 fp32 updates as the fused kernel's flush.
+        S = S * eG
+        p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
+        for j in range(0, n):
+            w_j = tl.load(c_row + j)
+            d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            S += (w_j * d_j)[:, None] * k_j[None, :]
+        S = alpha * S + d[:, None] * k[None, :]
+        tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
+    else:
+        tl.store(p_dr + n * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
+    if (i_hv == 0) & (i_v == 0):
+        tl.store(cursor + slot, tl.where(flush, 0, n + 1))
+
+
 @triton.jit
 def _ring_materialize_kernel(
     state, ring_d, ring_k, ring_g, cursor, slots, stride_slots,
@@ -445,15 +627,20 @@ def ring_decode(
         return out3
 
     BK = triton.next_power_of_2(K)
+    LP = max(16, triton.next_power_of_2(L))
     if config is None:
         config = pick_decode_config(N, HV, K, V, state.dtype, dev, H)
+    if len(config) > 4 and config[4]:
+        _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, state_indices,
+                          ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, use_qk_l2norm,
+                          H, HV, K, V, L, BK, LP, (ss, sd, sk, sg), config)
+        return out3
     BV, num_warps, prefetch = config[:3]
     HPP = HV // H if (len(config) > 3 and config[3]) else 1
     BV = min(BV, max(16, triton.next_power_of_2(V)))
     NV = triton.cdiv(V, BV)
     if (HV // HPP) * NV >= 1 << (31 - _TICKET_SHIFT):
         raise ValueError(f"too many programs per row ({(HV // HPP) * NV}) for the cursor ticket")
-    LP = max(16, triton.next_power_of_2(L))
 
     grid = (N * (HV // HPP) * NV,)
     _ring_decode_kernel[grid](
@@ -469,6 +656,40 @@ def ring_decode(
         num_warps=num_warps, num_stages=1,
     )
     return out3
+
+
+def _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
+                      ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, l2norm,
+                      H, HV, K, V, L, BK, LP, strides, config):
+    """Launch the prep and main kernels (config: BV, num_warps, -, -, mode; mode 2 = PDL)."""
+    ss, sd, sk, sg = strides
+    N = mixed_qkv.shape[0]
+    BV = min(config[0], max(16, triton.next_power_of_2(V)))
+    NV = triton.cdiv(V, BV)
+    # Programmatic dependent launch lets the main kernel load its state tiles while the prep
+    # kernel runs (Hopper and newer; the interpreter has no grid dependency control).
+    pdl = config[4] == 2 and state.is_cuda and torch.cuda.get_device_capability(state.device)[0] >= 9
+    dev = state.device
+    qk = torch.empty(N, H, 2, BK, dtype=torch.float32, device=dev)
+    coef = torch.empty(N, HV, 4, LP, dtype=torch.float32, device=dev)
+    meta = torch.empty(N, dtype=torch.int32, device=dev)
+    GP = triton.next_power_of_2(HV // H)
+    _ring_prep_kernel[(N * H,)](
+        mixed_qkv, a, b, A_log, dt_bias, idx, ring_k, ring_g, cursor,
+        ff if ff is not None else idx, se if se is not None else idx,
+        qk, coef, meta, float(scale),
+        mixed_qkv.stride(0), a.stride(0), b.stride(0), idx.stride(0), s_ff, s_se, sk, sg,
+        H=H, HV=HV, K=K, L=L, BK=BK, LP=LP, GP=GP,
+        HAS_FF=ff is not None, HAS_SE=se is not None, L2NORM=bool(l2norm), USE_PDL=pdl,
+        num_warps=2 if BK * LP <= 2048 else 4, num_stages=1,
+    )
+    extra = {"launch_pdl": True} if pdl else {}
+    _ring_main_kernel[(N * HV * NV,)](
+        mixed_qkv, out3, state, idx, ring_d, ring_k, cursor, qk, coef, meta,
+        mixed_qkv.stride(0), idx.stride(0), ss, sd, sk,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV, USE_PDL=pdl,
+        num_warps=config[1], num_stages=1, **extra,
+    )
 
 
 def ring_materialize(

@@ -206,7 +206,15 @@ CASES = [
     ("gqa4_fp32_grouped_bv128", 2, 8, 128, 128, 16, F32, F32, (128, 4, False, True)),
     ("gqa8_bf16_grouped_bv64", 1, 8, 128, 128, 16, BF16, BF16, (64, 2, False, True)),
     ("gqa3_fp16_grouped_prefetch", 2, 6, 128, 128, 16, F16, F16, (32, 1, True, True)),
+    # two-phase launches (prep + main kernel), with and without programmatic dependent launch
+    ("gqa4_fp32_2phase_bv32", 2, 8, 128, 128, 16, F32, F32, (32, 1, False, False, 1)),
+    ("gqa4_fp32_bf16ring_2phase_pdl_bv16", 2, 8, 128, 128, 16, F32, BF16, (16, 1, False, False, 2)),
+    ("gqa3_bf16_2phase_pdl_bv32", 2, 6, 128, 128, 16, BF16, BF16, (32, 1, False, False, 2)),
+    ("k64_gqa2_fp16_2phase_bv8", 2, 4, 64, 64, 16, F16, F16, (8, 1, False, False, 1)),
+    ("gqa8_fp32_2phase_bv64_w2", 1, 8, 128, 128, 16, F32, F32, (64, 2, False, False, 1)),
 ]
+
+TWO_PHASE_PDL = (32, 1, False, False, 2)
 
 
 @pytest.mark.parametrize("name,H,HV,K,V,L,sdt,rdt,config", CASES, ids=[c[0] for c in CASES])
@@ -225,8 +233,9 @@ def test_bf16_output_and_contiguous_state():
     assert out_rel < 1e-2 and state_rel < 1e-2
 
 
+@pytest.mark.parametrize("config", [None, TWO_PHASE_PDL], ids=["default", "2phase_pdl"])
 @pytest.mark.parametrize("sdt,rdt,bound", [(F32, F32, 1e-5), (BF16, BF16, 2e-2)], ids=["fp32", "bf16"])
-def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound):
+def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, config):
     """force_flush / start_empty at random, 200 rows (the bandwidth-bound launch config), same
     dtypes as the reference, cursors checked every step (the per-row cursor ticket at scale).
     With low-precision rings an entry on a rounding boundary can round one ulp apart in the two
@@ -242,13 +251,14 @@ def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound):
         se = torch.rand(p.N, generator=p.g, device=DEV) < 0.1
         out = torch.full((p.N, 1, HV, V), float("nan"), dtype=F32, device=DEV)
         ref_out = torch.empty_like(out)
-        ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, out, p.idx_full, *p.rings(), ff, se)
+        ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, out, p.idx_full, *p.rings(), ff, se,
+                    config=config)
         ring_decode_reference(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, ref_state, ref_out, p.idx_full,
                               *ref_rings, ff, se)
         assert not torch.isnan(out).any()
         assert torch.equal(p.cursor, ref_rings[3]), f"step {step}: cursor mismatch"
         worst = max(worst, _rel(out, ref_out))
-    _record(f"flags_large_batch_{str(sdt)[6:]}", {"out_rel_vs_ring_reference": worst, "bound": bound})
+    _record(f"flags_large_batch_{str(sdt)[6:]}" + ("" if config is None else "_2phase_pdl"), {"out_rel_vs_ring_reference": worst, "bound": bound})
     assert worst < bound
 
 
@@ -278,7 +288,8 @@ def test_materialize_and_reset():
     assert torch.equal(p.cursor, ref[4])
 
 
-def test_cuda_graph_full_cycle_matches_eager():
+@pytest.mark.parametrize("config", [None, TWO_PHASE_PDL], ids=["default", "2phase_pdl"])
+def test_cuda_graph_full_cycle_matches_eager(config):
     """A graph captured over one full ring cycle (L steps, per-step static inputs refilled
     before each replay) gives bit-identical results to eager calls on a copy."""
     H, HV, K, V, L = 2, 8, 128, 128, 16
@@ -289,7 +300,7 @@ def test_cuda_graph_full_cycle_matches_eager():
         idx[p.row_real & ((p.rank % L) < (L - 1 - step))] = -1
         qkv, a, b = p.inputs()
         ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, torch.empty(p.N, HV, V, device=DEV),
-                    idx, *p.rings())
+                    idx, *p.rings(), config=config)
     static_in = [p.inputs() for _ in range(L)]
     static_out = [torch.empty(p.N, 1, HV, V, dtype=BF16, device=DEV) for _ in range(L)]
     twin = p.twin()
@@ -298,7 +309,8 @@ def test_cuda_graph_full_cycle_matches_eager():
     def cycle(tensors, outs):
         for t in range(L):
             qkv, a, b = static_in[t]
-            ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, tensors[0], outs[t], p.idx_full, *tensors[1:])
+            ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, tensors[0], outs[t], p.idx_full, *tensors[1:],
+                        config=config)
 
     real = [p.state] + list(p.rings())
     s = torch.cuda.Stream()

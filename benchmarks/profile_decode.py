@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Run one decode launch per arm (for a profiler such as Nsight Compute to attach to).
+
+    ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+        python benchmarks/profile_decode.py --vllm-root /tmp/vl --batch 512 --hv 64 --state fp16 \
+        --configs 32,1,1,0,0 8,1,0,0,1
+
+Arms: vLLM's native packed decode, then ours with each given launch configuration
+(BV,num_warps,prefetch,group_heads,mode; see ring_decode.pick_decode_config). Each arm runs twice
+(the first call compiles); profile the second (ncu --launch-skip / -k filters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import torch  # noqa: E402
+
+import kernel_decode as kd  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-root", default=None)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--h", type=int, default=16)
+    ap.add_argument("--hv", type=int, default=64)
+    ap.add_argument("--state", choices=list(kd.STATE_DTYPES), default="fp16")
+    ap.add_argument("--configs", nargs="*", default=[])
+    args = ap.parse_args()
+    fn, _, _ = kd.load_native(args.vllm_root)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layer = kd.Layer(args.batch, args.h, args.hv, kd.STATE_DTYPES[args.state], gen)
+    for _ in range(2):
+        layer.native(fn)
+    for c in args.configs:
+        cfg = tuple(int(x) for x in c.split(","))
+        cfg = (cfg[0], cfg[1], bool(cfg[2]), bool(cfg[3])) + tuple(cfg[4:])
+        for _ in range(2):
+            layer.ours(cfg)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
