@@ -10,6 +10,13 @@ device from `seq_lens` and `query_start_loc` (exact under async scheduling, no h
                     state was put there without a ring, so any cursor there is stale.
 
 The flags live in persistent buffers, so FULL CUDA graphs replay with fresh values.
+
+With speculative decoding (MTP) each request has one state slot (the layer asks for
+`num_speculative_blocks=0`); the verify window lives in the ring as a pending window until
+the next step commits it from vLLM's `num_accepted_tokens`. The builder then also passes,
+for the non-speculative rows (prefills, and plain decodes where a vLLM version makes them),
+their slots and accepted counts, so their windows are committed before anything reads the
+slot (`ring_commit_slots` / `ring_commit_accepted`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ class ReplayGDNAttentionMetadata(GDNAttentionMetadata):
     ring_start_empty: torch.Tensor | None = None  # int8 [rows]: ignore the slot's cursor
     ring_prefill_flush_slots: torch.Tensor | None = None  # prefill slots to materialise first
     ring_prefill_slots: torch.Tensor | None = None  # prefill slots whose ring empties after
+    ring_commit_slots: torch.Tensor | None = None  # MTP: non-spec rows' slots, commit first
+    ring_commit_accepted: torch.Tensor | None = None  # MTP: their num_accepted_tokens
 
 
 class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -45,10 +54,52 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
               num_decode_draft_tokens_cpu=None, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                            num_decode_draft_tokens_cpu, fast_build)
-        extra = {}
-        if md.num_spec_decodes == 0:
-            extra = self._ring_fields(common_attn_metadata, md)
+        extra = self._ring_fields(common_attn_metadata, md)
+        if self.num_spec:
+            extra.update(self._spec_fields(common_attn_metadata, md, num_accepted_tokens,
+                                           num_decode_draft_tokens_cpu))
+        elif md.num_spec_decodes:  # cannot happen: spec rows exist only with a speculative config
+            raise RuntimeError("GDN ring builder: speculative rows without a speculative config")
         return ReplayGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, **extra)
+
+    def _spec_fields(self, m, md, num_accepted_tokens, draft_tokens_cpu) -> dict:
+        out = {}
+        rows = m.num_reqs
+        if md.num_spec_decodes:
+            # vLLM gathers block_table[:, :T+1] for the spec rows; with one slot per request
+            # that is one column. Keep the width T+1 with the slot repeated: vLLM's CUDA conv
+            # update takes the width as the window length, and only column 0 is ever used as
+            # a slot (the ring's verify reads it; vLLM's conv reads it).
+            idx = md.spec_state_indices_tensor
+            if idx is not None and idx.shape[-1] != self.num_spec + 1:
+                md.spec_state_indices_tensor = idx[:, :1].expand(-1, self.num_spec + 1)
+            spec_rows = (draft_tokens_cpu[:rows] >= 0)
+        else:
+            spec_rows = torch.zeros(rows, dtype=torch.bool)
+        ns = (~spec_rows).nonzero().flatten()
+        if ns.numel() == 0 or md.non_spec_state_indices_tensor is None:
+            return out
+        # Non-spec rows (batch order, as vLLM orders non_spec_state_indices_tensor): commit the
+        # window a previous speculative step may have left in their slot.
+        slots = md.non_spec_state_indices_tensor[: ns.numel()]
+        if num_accepted_tokens is None:
+            acc = None
+        else:
+            acc = num_accepted_tokens[ns.to(num_accepted_tokens.device)]
+        out["ring_commit_slots"] = slots
+        out["ring_commit_accepted"] = acc
+        if md.num_prefills and md.num_spec_decodes:
+            # The prefill rows of a batch with spec rows are the non-spec rows (vLLM turns plain
+            # decodes into prefills there); `empty` is per batch row, has_initial_state per
+            # non-spec row.
+            empty = self.ring_start_empty[:rows][ns.to(self.ring_start_empty.device)]
+            n_p = md.num_prefills
+            has_state = md.has_initial_state[:n_p]
+            carries = has_state & (empty[:n_p] == 0)
+            pslots = slots[:n_p]
+            out["ring_prefill_flush_slots"] = torch.where(carries, pslots, torch.zeros_like(pslots))
+            out["ring_prefill_slots"] = pslots
+        return out
 
     def _ring_fields(self, m, md) -> dict:
         rows = m.num_reqs
@@ -64,7 +115,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             force.zero_()
             empty.copy_(computed == 0)
         out = {"ring_force_flush": self.ring_force_flush, "ring_start_empty": self.ring_start_empty}
-        if md.num_prefills > 0:
+        if md.num_prefills > 0 and md.num_spec_decodes == 0:
             nd = md.num_decodes
             slots = md.non_spec_state_indices_tensor[nd : nd + md.num_prefills]
             has_state = md.has_initial_state[nd : nd + md.num_prefills]

@@ -4,6 +4,9 @@ vLLM's GDN core (`_forward_core` on GPU, `_cpu_gdn_attention_nonspec` on CPU) do
 conv, the prefill and the bookkeeping; for decode rows it calls one recurrence kernel
 (`fused_recurrent_gated_delta_rule_packed_decode`, or `fused_sigmoid_gating_delta_rule_update`
 for the decode rows of mixed batches; `fused_sigmoid_gating_delta_rule_update_cpu` on CPU).
+With speculative decoding (MTP) the verify call (`fused_sigmoid_gating_delta_rule_update`
+with `num_accepted_tokens` on GPU, `fused_sigmoid_gating_delta_rule_update_spec_cpu` on CPU)
+goes to the ring's verify step, which commits the slot's previous window first.
 We replace those module globals once with wrappers that pass straight through unless a
 `RingCall` is active for the very state tensor they were given; then they run the ring
 kernel on the same inputs. Everything else in vLLM's path stays vLLM's.
@@ -27,6 +30,7 @@ class RingCall:
     force_flush: torch.Tensor
     start_empty: torch.Tensor
     scale: float
+    spec_window: int = 0  # T+1 with speculative decoding on the ring, else 0
 
 
 _active: RingCall | None = None
@@ -98,6 +102,23 @@ def _binder(native):
     return bind
 
 
+def _spec_slots(idx, rows):
+    """One slot per spec row: column 0 of vLLM's [rows, T+1] spec indices (the builder
+    repeats the request's one slot across the row)."""
+    return (idx[:, 0] if idx.ndim == 2 else idx)[:rows].contiguous()
+
+
+def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading):
+    """Ring verify for kernels that take q/k/v split: q/k (..., N, H, K), v (..., N, HV, V)."""
+    hv, vdim = p["v"].shape[-2:]
+    n = q.shape[-3]
+    out = torch.empty((*leading, hv, vdim), dtype=q.dtype, device=q.device)
+    kernels.spec_verify(_pack(q, p["k"], p["v"]), p["a"][:n].contiguous(), p["b"][:n].contiguous(),
+                        p["A_log"], p["dt_bias"], call.scale, state, out.view(n, hv, vdim), slots,
+                        cu.contiguous(), call.ring, num_accepted, call.spec_window)
+    return out
+
+
 def make_packed_decode_wrapper(native):
     bind = _binder(native)
 
@@ -128,7 +149,14 @@ def make_sigmoid_update_wrapper(native):
         if call is None:
             return native(**p)
         n = q.shape[1]
-        if (p.get("num_accepted_tokens") is not None or not _one_token_rows(p["cu_seqlens"], n)
+        acc = p.get("num_accepted_tokens")
+        if (acc is not None and call.spec_window and p["cu_seqlens"] is not None
+                and p["use_qk_l2norm_in_kernel"] and p["inplace_final_state"]):
+            cu = p["cu_seqlens"]
+            rows = cu.shape[0] - 1
+            out = _verify_split_qkv(call, p, state, _spec_slots(idx, rows), cu, acc, q, leading=(1, n))
+            return out, state
+        if (acc is not None or not _one_token_rows(p["cu_seqlens"], n)
                 or not p["use_qk_l2norm_in_kernel"] or not p["inplace_final_state"]):
             return _passthrough(native, call, state, idx, p)
         out = _decode_split_qkv(call, p, state, idx, leading=(1, n))
@@ -162,17 +190,44 @@ def make_cpu_update_wrapper(native):
     return cpu_update
 
 
+def make_cpu_spec_update_wrapper(native):
+    """Wrap `fused_sigmoid_gating_delta_rule_update_spec_cpu` (vLLM's CPU MTP recurrence:
+    resume from slot [i, num_accepted-1], write the state after token t to slot [i, t])."""
+    bind = _binder(native)
+
+    def cpu_spec_update(*args, **kw):
+        p = bind(args, kw)
+        src = p["initial_state_source"]
+        call = _match(src)
+        if call is None:
+            return native(**p)
+        if not call.spec_window or not p["use_qk_l2norm_in_kernel"]:
+            raise RuntimeError("GDN ring: a speculative step reached a ring layer that cannot serve it")
+        cu, q = p["cu_seqlens"], p["q"]
+        rows = cu.shape[0] - 1
+        # vLLM's CPU kernels view each head of the [slot, HV, V, K] state as [K][V] (see above).
+        return _verify_split_qkv(call, p, src.transpose(-1, -2), _spec_slots(p["spec_state_indices"], rows),
+                                 cu, p["num_accepted_tokens"], q, leading=(q.shape[-3],))
+
+    cpu_spec_update.__wrapped__ = native
+    return cpu_spec_update
+
+
 def run_with_ring(layer, md, state_for_kernels, native_call):
     """Run vLLM's GDN core for `layer` with its decode rows on the ring.
 
-    Prefill rows read and write the checkpoint directly: flush the rings they carry first,
-    and mark their rings empty after the prefill wrote a fresh state.
+    With speculative decoding, the non-spec rows' slots first commit the verify window a
+    previous step left there (the spec rows' verify commits its own). Prefill rows read and
+    write the checkpoint directly: flush the rings they carry first, and mark their rings
+    empty after the prefill wrote a fresh state.
     """
     ring = layer.replay_ring
+    if md.ring_commit_slots is not None:
+        kernels.commit(ring, md.ring_commit_slots, md.ring_commit_accepted)
     if md.ring_prefill_flush_slots is not None:
         kernels.materialize(state_for_kernels, ring, md.ring_prefill_flush_slots)
     call = RingCall(layer.kv_cache[1].data_ptr(), ring, md.ring_force_flush, md.ring_start_empty,
-                    layer.head_k_dim ** -0.5)
+                    layer.head_k_dim ** -0.5, layer.ring_plan.spec_window)
     with ring_call(call):
         result = native_call()
     if md.ring_prefill_slots is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 
 from ._vendored import ring_reference as ref
 
@@ -31,6 +32,7 @@ def _gpu():
 def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ring, force_flush, start_empty):
     """One decode token per row through the ring (see ring_reference.ring_decode_reference)."""
     counters["decode_calls"] += 1
+    check_committed(ring, state_indices[: mixed_qkv.shape[0]])
     counters["decode_rows"] += int(mixed_qkv.shape[0])
     fn = _gpu().ring_decode if state.is_cuda else ref.ring_decode_reference
     result = fn(
@@ -47,6 +49,7 @@ def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ri
 def materialize(state, ring, slots):
     """Flush the rings of `slots` (<= 0 ignored) into the checkpoint."""
     counters["materialize_calls"] += 1
+    check_committed(ring, slots)
     fn = _gpu().ring_materialize if state.is_cuda else ref.ring_materialize_reference
     fn(state, ring.d, ring.k, ring.g, ring.cursor, slots)
 
@@ -56,3 +59,79 @@ def reset(ring, slots):
     counters["reset_calls"] += 1
     fn = _gpu().ring_reset if ring.cursor.is_cuda else ref.ring_reset_reference
     fn(ring.cursor, slots)
+
+
+# --------------------------------------------------------------------------------------------
+# Speculative decoding: the cursor word holds `n | pending << 8` (ring_verify's packing), so a
+# slot carries its uncommitted verify window between steps with no extra buffer.
+# --------------------------------------------------------------------------------------------
+
+_PENDING_SHIFT, _FIELD = 8, 0xFF  # ring_verify.pack_cursor's layout (no triton on the CPU build)
+
+
+def _unpack(word):
+    return (word & _FIELD).clone(), ((word >> _PENDING_SHIFT) & _FIELD).clone()
+
+
+def _repack(word, n, pending):
+    word.copy_(n.to(word.dtype) | (pending.to(word.dtype) << _PENDING_SHIFT))
+
+
+def _gpu_verify():
+    from ._vendored import ring_verify
+
+    return ring_verify
+
+
+def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens, ring,
+                num_accepted, max_tokens):
+    """One speculative step: commit each slot's previous window from `num_accepted`, then
+    verify row i's tokens cu_seqlens[i]:cu_seqlens[i+1] (outputs for all of them) and keep
+    their entries as the slot's new pending window. `state_indices` [rows], one slot per row."""
+    rows = int(state_indices.shape[0])
+    counters["verify_calls"] += 1
+    counters["verify_rows"] += rows
+    if state.is_cuda:
+        return _gpu_verify().ring_verify(
+            mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
+            ring.d, ring.k, ring.g, ring.cursor, num_accepted, max_tokens, use_qk_l2norm=True)
+    L = ring.g.shape[-1]
+    n, pending = _unpack(ring.cursor)
+    valid = state_indices > 0
+    slots = state_indices[valid].long()
+    if num_accepted is not None and slots.numel():  # counted here; the reference commits the same
+        p = pending[slots].long()
+        acc = num_accepted[:rows][valid].long()
+        counters["verify_committed"] += int(torch.where(p > 0, torch.minimum(acc, p), 0).sum())
+        counters["verify_windows"] += int((p > 0).sum())
+    ref.ring_commit_pending_reference(n, pending, state_indices, num_accepted, L)
+    if slots.numel():
+        width = (cu_seqlens[1:rows + 1] - cu_seqlens[:rows])[valid]
+        counters["verify_flushes"] += int((n[slots] + width > L).sum())
+    result = ref.ring_spec_verify_reference(
+        mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
+        ring.d, ring.k, ring.g, n, pending, None, use_qk_l2norm=True)
+    _repack(ring.cursor, n, pending)
+    return result
+
+
+def commit(ring, slots, num_accepted):
+    """Commit the pending windows of `slots` (<= 0 ignored) with `num_accepted` per slot
+    (None: drop them); afterwards they hold the plain entry count decode/materialize use."""
+    counters["commit_calls"] += 1
+    L = ring.g.shape[-1]
+    if ring.cursor.is_cuda:
+        _gpu_verify().ring_commit(ring.cursor, slots, num_accepted, L)
+        return
+    n, pending = _unpack(ring.cursor)
+    ref.ring_commit_pending_reference(n, pending, slots, num_accepted, L)
+    _repack(ring.cursor, n, pending)
+
+
+def check_committed(ring, slots):
+    """CPU guard: a path that reads the plain cursor must not meet a pending window."""
+    if ring.cursor.is_cuda:
+        return
+    s = slots[slots > 0].long()
+    if s.numel() and bool(((ring.cursor[s] >> _PENDING_SHIFT) & _FIELD).any()):
+        raise RuntimeError(f"GDN ring: slots {s.tolist()} still hold an uncommitted verify window")

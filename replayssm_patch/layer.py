@@ -25,7 +25,7 @@ class RingBuffers:
     g: torch.Tensor  # [slots, HV, L] float32, cumulative log-decay
     d: torch.Tensor  # [slots, HV, L, V]
     k: torch.Tensor  # [slots, H, L, K]
-    cursor: torch.Tensor  # [slots] int32, committed entries per slot
+    cursor: torch.Tensor  # [slots] int32: committed entries n | pending verify window << 8
     shadow: torch.Tensor | None = None  # exact-state copy for the shadow check (testing aid)
 
 
@@ -43,14 +43,25 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         ):
             self.ring_plan, reasons = None, ["layer head counts differ from the model config"]
         layer_report[prefix] = "ring" if self.ring_plan else "native: " + "; ".join(reasons)
+        if self.ring_plan is not None and self.ring_plan.spec_tokens:
+            # vLLM's fused MTP decode (CUDA) reads and writes 1+T state slots per request
+            # itself; with the ring every speculative step must reach _forward_core.
+            for flag in ("enable_fused_gdn_spec_decode", "enable_fused_gdn_decode"):
+                if hasattr(self, flag):
+                    setattr(self, flag, False)
 
     # -- cache spec and page binding ------------------------------------------------------
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
         if self.ring_plan is None or spec is None:
             return spec
+        extra = {}
+        if self.ring_plan.spec_tokens:
+            # One checkpoint slot per request instead of 1+T: the verify window lives in the
+            # ring. Every layer this config builds is on the ring (the plan is per config).
+            extra["num_speculative_blocks"] = 0
         return replace(spec, shapes=tuple(spec.shapes) + self.ring_plan.shapes,
-                       dtypes=tuple(spec.dtypes) + self.ring_plan.dtypes)
+                       dtypes=tuple(spec.dtypes) + self.ring_plan.dtypes, **extra)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         super().bind_kv_cache(kv_cache)
@@ -113,3 +124,10 @@ def make_cpu_nonspec_wrapper(native):
 
     cpu_gdn_attention_nonspec.__wrapped__ = native
     return cpu_gdn_attention_nonspec
+
+
+def make_cpu_spec_aware_wrapper(native):
+    """Wrap vLLM's `_cpu_gdn_attention_spec_aware(layer, md, ...)` (the CPU path when MTP is
+    configured): the same ring bookkeeping as the non-spec path; its recurrence kernels
+    (speculative and plain) are routed by the intercept wrappers."""
+    return make_cpu_nonspec_wrapper(native)

@@ -16,6 +16,44 @@ from .options import Options
 
 SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_SPEC_RING_LEN = 255  # the verify kernel's cursor word holds n and the pending window in 8 bits each
+
+
+def spec_ring_len(ring_len: int, spec_tokens: int) -> int:
+    """Ring length with speculative decoding: room for about four verify windows of T+1
+    entries (32 at T=7), so a window seldom forces a flush of the committed entries."""
+    if not spec_tokens:
+        return ring_len
+    return min(MAX_SPEC_RING_LEN, max(ring_len, 4 * (spec_tokens + 1)))
+
+
+def _spec_reasons(vllm_config, spec_tokens: int, platform: str) -> list[str]:
+    """Why this speculative config cannot use the ring (empty: it can)."""
+    spec = vllm_config.speculative_config
+    method = getattr(spec, "method", None)
+    reasons = []
+    if method not in ("mtp", None):
+        reasons.append(f"speculative method {method!r} (the ring serves 'mtp')")
+    mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
+    if mode != "none":
+        reasons.append(f"speculative decoding with prefix caching (mamba_cache_mode={mode!r}): align mode "
+                       "moves states between blocks at offsets the ring's delayed commit does not "
+                       "track yet; disable prefix caching to use the ring with MTP")
+    if spec_tokens + 1 > MAX_SPEC_RING_LEN:
+        reasons.append(f"num_speculative_tokens={spec_tokens}: a verify window must fit the ring "
+                       f"(at most {MAX_SPEC_RING_LEN} entries)")
+    if platform == "cuda":
+        reasons.append("speculative decoding on CUDA: the verify kernel is tested, but its vLLM "
+                       "integration has only been validated end to end on the CPU build")
+    elif platform == "cpu":
+        import vllm._custom_ops as custom_ops
+        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_mod
+
+        for mod, name in ((custom_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"),
+                          (cpu_mod, "_cpu_gdn_attention_spec_aware")):
+            if not callable(getattr(mod, name, None)):
+                reasons.append(f"this vLLM CPU build has no {name} (the speculative path the ring hooks)")
+    return reasons
 
 
 @dataclass(frozen=True)
@@ -29,6 +67,12 @@ class RingPlan:
     ring_len: int
     ring_dtype: torch.dtype  # d and k entries
     state_dtype: torch.dtype  # the checkpoint (vLLM's SSM state)
+    spec_tokens: int = 0  # T, vLLM's num_speculative_tokens (0: no speculative decoding)
+
+    @property
+    def spec_window(self) -> int:
+        """Tokens one speculative verify step appends per request (T + 1), 0 without MTP."""
+        return self.spec_tokens + 1 if self.spec_tokens else 0
 
     # Page order after vLLM's (conv, ssm): g first (fp32 after the ssm state keeps every
     # view aligned), then d, then k.
@@ -111,8 +155,10 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
     if state_dtype not in SUPPORTED_STATE_DTYPES:
         reasons.append(f"SSM state dtype {state_dtype} (supported: float32, bfloat16, float16)")
     spec = vllm_config.speculative_config
-    if spec is not None and (getattr(spec, "num_speculative_tokens", 0) or 0) > 0:
-        reasons.append("speculative decoding is served by vLLM's native GDN path in this release")
+    spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    if spec_tokens > 0:
+        platform = "cuda" if current_platform.is_cuda() else "cpu" if current_platform.is_cpu() else "other"
+        reasons += _spec_reasons(vllm_config, spec_tokens, platform)
     if vllm_config.lora_config is not None:
         reasons.append("LoRA is enabled (the GDN core may carry LoRA weights)")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
@@ -138,4 +184,5 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
     if reasons:
         return None, reasons
     ring_dtype = ring_dtype_for(options.ring_dtype, state_dtype, mc.dtype)
-    return RingPlan(H // tp, HV // tp, K, V, options.ring_len, ring_dtype, state_dtype), []
+    L = spec_ring_len(options.ring_len, spec_tokens)
+    return RingPlan(H // tp, HV // tp, K, V, L, ring_dtype, state_dtype, spec_tokens), []

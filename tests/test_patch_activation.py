@@ -203,6 +203,26 @@ def test_plan_for_a_supported_config():
     assert f32.ring_dtype == torch.float32
 
 
+def test_plan_for_speculative_decoding():
+    """MTP without prefix caching is served on CPU: one state slot per request (the layer's
+    spec), a ring long enough for about four verify windows; other methods are refused."""
+    from vllm.platforms import current_platform
+
+    from replayssm_patch.ring_plan import plan_for
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU build serves MTP; CUDA refuses it in this release")
+    for T, L in ((1, 16), (3, 16), (7, 32)):
+        plan, reasons = plan_for(fake_config(**{"cache_config.mamba_cache_mode": "none",
+                                                "speculative_config": SimpleNamespace(num_speculative_tokens=T,
+                                                                                      method="mtp")}), ON)
+        assert reasons == [] and plan.ring_len == L and plan.spec_window == T + 1
+    plan, reasons = plan_for(fake_config(**{"cache_config.mamba_cache_mode": "none",
+                                            "speculative_config": SimpleNamespace(num_speculative_tokens=3,
+                                                                                  method="ngram")}), ON)
+    assert plan is None and any("speculative method 'ngram'" in r for r in reasons)
+
+
 @pytest.mark.parametrize("override,reason", [
     ({"speculative_config": SimpleNamespace(num_speculative_tokens=3)}, "speculative decoding"),
     ({"lora_config": object()}, "LoRA"),
@@ -239,7 +259,7 @@ def test_doctor_reports_ring_layers_memory_and_fallback_reasons():
     # fp32 state: 3 layers x 4 heads x 128 x 128 x 4 B = 0.75 MiB; fp32 ring: 3 x 24832 x 2 B
     assert "state 0.75 MiB, ring +0.14 MiB" in out
     rc, out = doctor("--num-speculative-tokens", "2", "--ring-len", "8")
-    assert rc == 1 and "speculative decoding is served by vLLM's native GDN path" in out
+    assert rc == 1 and "speculative decoding with prefix caching" in out
 
 
 def test_cuda_16bit_state_stays_native_unless_allowed(monkeypatch):

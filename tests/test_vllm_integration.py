@@ -195,23 +195,6 @@ def test_plugin_reaches_engine_core_with_multiprocessing(models, tmp_path):
     assert inproc["_status"]["counters"]["decode_calls"] > 0
 
 
-def test_speculative_config_falls_back_to_native(tmp_path):
-    """MTP speculative decoding is refused per config: the engine runs vLLM's native GDN path
-    (same tokens as native) and the log gives the reason."""
-    from replayssm_patch.testing.tiny_models import build_tiny_model
-
-    model = str(build_tiny_model(str(CACHE / "tiny-models"), "qwen3_5", mtp_layers=1))
-    prompts = prompts_mixed(4, (10, 20))
-    eng = dict(BASE, enable_prefix_caching=False, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    engines = [{"name": "mtp", "engine": eng, "prompts": prompts, "max_tokens": [24, 24]}]
-    native, _ = run_arm(tmp_path, "native", _spec(model, False, engines))
-    patched, log = run_arm(tmp_path, "patched", dict(_spec(model, True, engines), strict=False))
-    assert "speculative decoding is served by vLLM's native GDN path" in log
-    assert patched["_status"]["counters"].get("decode_calls", 0) == 0
-    assert all(v.startswith("native:") for v in patched["_status"]["layers"].values())
-    assert [r["tokens"] for r in patched["mtp"]["requests"]] == [r["tokens"] for r in native["mtp"]["requests"]]
-
-
 def test_tensor_parallel_2_on_cpu(models, tmp_path):
     """TP=2 (multiprocessing executor, one CPU core per rank): the plugin reaches both
     workers and each rank's GDN layers decode through a ring sized for its head shard."""

@@ -76,6 +76,53 @@ def _preemptions(llm) -> int | None:
     return 0
 
 
+def _spec_decode_metrics(llm) -> dict | None:
+    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens, accepted
+    per draft position), or None when the engine has none."""
+    out = {}
+    try:
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode_"):
+                key = m.name[len("vllm:spec_decode_"):]
+                out[key] = list(m.values) if hasattr(m, "values") else int(getattr(m, "value", 0) or 0)
+    except Exception:
+        return None
+    return out or None
+
+
+def _gdn_cache_bytes(llm) -> dict | None:
+    """GDN cache bytes per request as the engine allocates them (in-process engines only):
+    for each Mamba KV-cache group, layers x MambaSpec.max_memory_usage_bytes (the padded page
+    times 1 + num_speculative_blocks in mode none), and the unpadded content the same way."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        cfg, vllm_config = core.scheduler.kv_cache_config, core.vllm_config
+    except AttributeError:
+        return None
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    total = content = layers = 0
+    nsb = set()
+    for group in cfg.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            n = len(group.layer_names)
+            layers += n
+            total += n * spec.max_memory_usage_bytes(vllm_config)
+            content += n * spec.state_content_size_bytes * (1 + spec.num_speculative_blocks)
+            nsb.add(spec.num_speculative_blocks)
+    return {"bytes_per_request": total, "content_bytes_per_request": content, "layers": layers,
+            "num_speculative_blocks": sorted(nsb)}
+
+
+def _ring_counters(spec) -> dict:
+    if not spec["patched"]:
+        return {}
+    from replayssm_patch import kernels
+
+    return dict(kernels.counters)
+
+
 def main(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     if spec["patched"] and spec.get("via", "patch") == "patch":
@@ -88,6 +135,7 @@ def main(spec_path: str) -> None:
 
     results = {}
     for eng in spec["engines"]:
+        before = _ring_counters(spec)
         llm = LLM(model=spec["model"], **eng["engine"])
         prompts = [{"prompt_token_ids": p} for p in eng["prompts"]]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=2)
@@ -100,8 +148,17 @@ def main(spec_path: str) -> None:
             for i, o in enumerate(outs):
                 o.request_id = str(i)
         entry = {"requests": _collect(outs), "preemptions": _preemptions(llm)}
+        if eng["engine"].get("speculative_config"):
+            entry["spec_decode"] = _spec_decode_metrics(llm)
+            entry["gdn_cache"] = _gdn_cache_bytes(llm)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
             entry["layers"] = llm.apply_model(_gdn_layers_info)[0]
+        if spec["patched"]:  # what this engine alone did on the ring, and each layer's decision
+            after = _ring_counters(spec)
+            entry["ring_counters"] = {k: v - before.get(k, 0) for k, v in after.items()}
+            import replayssm_patch
+
+            entry["layer_decisions"] = replayssm_patch.status()["layers"]
         results[eng["name"]] = entry
         del llm
     if spec["patched"]:
