@@ -119,7 +119,11 @@ def main() -> None:
     ap.add_argument("--ring-dtype", default="auto")
     ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--merge", nargs="*", default=None, metavar="JSON",
+                    help="no GPU: join the runs of these result files into --out")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args)
     if args.arm:
         args.patched = args.arm == "patched"
         return arm(args)
@@ -145,7 +149,16 @@ def main() -> None:
             raise SystemExit(f"{name} failed:\n{log[-6000:]}")
         print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("[")), flush=True)
         res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1][12:])
+        # vLLM's own cache report (KV cache size in tokens, maximum concurrency) and our ring size
+        res["engine_cache_log"] = [ln.strip()[-220:] for ln in log.splitlines()
+                                   if "Maximum concurrency" in ln or "KV cache size" in ln
+                                   or "decode through the ring" in ln][:6]
         runs.append({"arm": name, **res})
+    finish(args, runs)
+
+
+def finish(args, runs):
+    """Per-batch table (arms averaged over their runs), summary, and the JSON file."""
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.state_dtype, args.state_dtype)
     kt = kernel_times(args.kernel_json, args.kernel_shape, short)
     table = {}
@@ -172,7 +185,9 @@ def main() -> None:
               "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in ("arm", "model")},
               "model": "Qwen3.5-9B-shaped dense (dummy weights): " + json.dumps({k: CONFIG_9B[k] for k in (
                   "hidden_size", "num_hidden_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim")}),
-              "runs": runs, "table": table}
+              "order": "".join("A" if r["arm"] == "native" else "B" for r in runs),
+              "runs": runs, "table": table,
+              "summary": {f"speedup_b{b}": round(table[b]["speedup"], 4) for b in table}}
     try:
         import torch
         import vllm
@@ -183,6 +198,25 @@ def main() -> None:
         result["versions"] = {"error": repr(e)}
     if args.out:
         json.dump(result, open(args.out, "w"), indent=1)
+    return result
+
+
+def merge(args):
+    """Join the runs of several result files (e.g. an AB and a BA call) into one table."""
+    runs, first = [], None
+    for path in args.merge:
+        data = json.load(open(path))
+        first = first or data
+        runs += data["runs"]
+    for k, v in first["config"].items():
+        if k not in ("out", "merge", "order", "kernel_json"):
+            setattr(args, k, v)
+    res = finish(args, runs)
+    res["merged_from"] = [{"path": p, "command": json.load(open(p))["command"], "date": json.load(open(p))["date"]}
+                          for p in args.merge]
+    res["gpu"], res["versions"] = first.get("gpu"), first.get("versions")
+    if args.out:
+        json.dump(res, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -61,9 +61,9 @@ L = 16
 # A fifth element 1 / 2 selects the two-phase launch (prep + main kernel; 2 = with programmatic
 # dependent launch).
 SWEEP = [(16, 1, True, False), (32, 1, True, False), (32, 1, True, True), (64, 2, False, True),
-         (8, 1, False, False, 1), (16, 1, False, False, 1), (32, 1, False, False, 1),
-         (64, 2, False, False, 1), (8, 1, False, False, 2), (16, 1, False, False, 2),
-         (32, 1, False, False, 2)]
+         (8, 1, False, False, 1), (8, 1, False, False, 2), (8, 1, False, False, 1, 1),
+         (8, 1, True, False, 1, 1), (16, 1, True, False, 1, 1), (8, 1, True, False, 1, 4),
+         (8, 1, True, False, 2, 4), (16, 2, True, False, 1, 1), (32, 4, True, False, 1, 1)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -272,7 +272,8 @@ def copy_bandwidth():
 def cfg_name(cfg):
     bv, w, pre = cfg[:3]
     if len(cfg) > 4 and cfg[4]:
-        return f"2phase_bv{bv}_w{w}{'_pdl' if cfg[4] == 2 else ''}"
+        split = f"_s{cfg[5]}" if len(cfg) > 5 and cfg[5] else ""
+        return f"2phase_bv{bv}_w{w}{'_pf' if pre else ''}{split}{'_pdl' if cfg[4] == 2 else ''}"
     grp = len(cfg) > 3 and cfg[3]
     return f"bv{bv}_w{w}_{'prefetch' if pre else 'masked'}{'_grouped' if grp else ''}"
 

@@ -16,21 +16,29 @@ How a decode step works here (per row, per value head, per block of BV value cha
                in the state dtype; cursor = 0. (A tl.dot here spilled kilobytes of registers
                under Triton 3.6 and made whole-V tiles 6-9x slower.)
 
-Grid: 1-D over (row, block of value heads, block of BV value rows), the value block fastest, so
-the programs of one row and key head run next to each other (q, k and ring-key loads hit L2).
-A head block is one value head, or (group_heads) all HV/H value heads of one key head, looped
-over inside the program so that q, k and the ring-key dot products k_j.q, k_j.k are computed
-once per key head. `pick_decode_config` chooses by batch size and state dtype.
+Two launch forms (`pick_decode_config` chooses by batch size and state dtype):
 
-Where the time goes (H200, Triton 3.6; inferred from the timings and the SASS instruction
-counts, no hardware counters were read): the kernel is bound by instruction issue and latency,
-not by HBM bandwidth. Each program re-does per-row work (q/k normalisation, the
-ring-key dot products over L x K, gating) and Triton's reductions over K cost a shuffle tree per
-state row, so ~2-3k SASS instructions per 1-warp program. Native decode does the same
-reductions but moves twice the bytes, so at fp32 state we win (1.1-1.5x) and at 16-bit state
-the two are close. See benchmarks/results/kernel_decode.md.
+* fused (small batches, latency-bound): one kernel, grid 1-D over (row, block of value heads,
+  block of BV value rows), the value block fastest so the programs of one row and key head run
+  next to each other (q, k and ring-key loads hit L2). A head block is one value head, or
+  (group_heads) all HV/H value heads of one key head, looped over inside the program.
+* two-phase (from ~512 row x value-head pairs): a prep kernel per (row, key head) does the
+  per-row work once -- cursor and flags, q/k normalisation, the ring-key dot products k_j.q and
+  k_j.k, gating, the replay weights -- and writes them to a small scratch; the main kernel per
+  (row, value head, BV rows) then only streams its checkpoint tile and live ring d entries.
+  The prep kernel reads the cursor, the main kernel writes it (one program per row), so no
+  atomics are needed: the kernel boundary orders every read before the write.
 
-The cursor race. Every program of a row needs the row's cursor n, and the new cursor may only
+Where the time goes (H200, Triton 3.6; Nsight Compute on batch 512, 64 value heads, fp16
+state): native decode runs at 84% of DRAM bandwidth (168 registers, 19% occupancy). The fused
+kernel with 32-row tiles needs 254 registers (12.5% occupancy) and reaches 40% of DRAM
+bandwidth: latency-bound. The two-phase main kernel with 8-row tiles needs 80 registers (37.5%
+occupancy) but is then issue-bound (SM throughput 74%, DRAM 43%): per state element it does
+what native does minus the rank-1 update, yet over half the bytes. Hence with an fp32 state we
+win clearly (bytes dominate) and with a 16-bit state by less. See
+benchmarks/results/kernel_decode.md.
+
+The cursor race (fused form). Every program of a row needs the row's cursor n, and the new cursor may only
 be written after all of them have read it. Triton has no grid-wide barrier, so the read itself
 is the synchronisation: each program reads the cursor with ONE atomic add of 1 << 16 (relaxed
 order is enough: only this one memory location is involved, and the atomic is the read).
@@ -318,33 +326,39 @@ def _ring_main_kernel(
     stride_qkv, stride_idx,
     slot_stride_state, slot_stride_d, slot_stride_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NSPLIT: tl.constexpr, CH: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # Program = (row, value head, one of NSPLIT runs of CH consecutive BV-row chunks of V). The
+    # per-program work (slot, q, k, coefficients) is paid once per CH chunks; with PREFETCH the
+    # next chunk's state tile is in flight while the current one is reduced.
     pid = tl.program_id(0)
-    i_v = pid % NV
-    i_hv = (pid // NV) % HV
-    row = (pid // (NV * HV)).to(tl.int64)
+    i_s = pid % NSPLIT
+    i_hv = (pid // NSPLIT) % HV
+    row = (pid // (NSPLIT * HV)).to(tl.int64)
     GROUP: tl.constexpr = HV // H
     i_h = i_hv // GROUP
 
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_b = tl.arange(0, BV)
     o_l = tl.arange(0, LP)
     m_k = o_k < K
-    m_v = o_v < V
-    m_vk = m_v[:, None] & m_k[None, :]
+    v0 = i_s * (CH * BV)
 
-    p_out = out + (row * HV + i_hv) * V + o_v
+    p_out = out + (row * HV + i_hv) * V
     slot = tl.load(idx + row * stride_idx).to(tl.int64)
     if slot <= 0:
-        tl.store(p_out, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=m_v)
+        for c in range(CH):
+            o_v = v0 + c * BV + o_b
+            tl.store(p_out + o_v, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=o_v < V)
         return
 
-    # Inputs that do not depend on the prep kernel first (with PDL they load while it runs).
-    p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-    S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
-    v = tl.load(qkv + row * stride_qkv + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    p_s0 = state + slot * slot_stride_state + i_hv * (V * K)
+    p_x = qkv + row * stride_qkv + 2 * H * K + i_hv * V
+    # The first tile does not depend on the prep kernel (with PDL it loads while prep runs).
+    o_v = v0 + o_b
+    S_next = tl.load(p_s0 + o_v[:, None] * K + o_k[None, :], mask=(o_v < V)[:, None] & m_k[None, :],
+                     other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -356,38 +370,52 @@ def _ring_main_kernel(
     q = tl.load(p_qk)
     k = tl.load(p_qk + BK)
     c_row = coef + (row * HV + i_hv) * (4 * LP)
-    p_c = c_row + o_l
-    cq = tl.load(p_c + LP)
-    ck = tl.load(p_c + 2 * LP)
-    scal = tl.load(p_c + 3 * LP)
-    eG = tl.sum(tl.where(o_l == 0, scal, 0.0))
-    alpha = tl.sum(tl.where(o_l == 1, scal, 0.0))
-    beta = tl.sum(tl.where(o_l == 2, scal, 0.0))
-    k_dot_q = tl.sum(tl.where(o_l == 3, scal, 0.0))
+    cq = tl.load(c_row + LP + o_l)
+    ck = tl.load(c_row + 2 * LP + o_l)
+    eG = tl.load(c_row + 3 * LP)
+    alpha = tl.load(c_row + 3 * LP + 1)
+    beta = tl.load(c_row + 3 * LP + 2)
+    k_dot_q = tl.load(c_row + 3 * LP + 3)
     p_dr = ring_d + slot * slot_stride_d + i_hv * (L * V)
-    rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
-    rd = rd.to(tl.float32)
+    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
 
-    Sq = eG * tl.sum(S * q[None, :], 1) + tl.sum(rd * cq[:, None], 0)
-    Sk = eG * tl.sum(S * k[None, :], 1) + tl.sum(rd * ck[:, None], 0)
-    d = beta * (v - alpha * Sk)
-    o = alpha * Sq + d * k_dot_q
-    tl.store(p_out, o.to(out.dtype.element_ty), mask=m_v)
+    for c in range(CH):
+        o_v = v0 + c * BV + o_b
+        m_v = o_v < V
+        m_vk = m_v[:, None] & m_k[None, :]
+        p_s = p_s0 + o_v[:, None] * K + o_k[None, :]
+        S = S_next.to(tl.float32)
+        if PREFETCH:
+            if c + 1 < CH:
+                o_n = o_v + BV
+                S_next = tl.load(p_s + BV * K, mask=(o_n < V)[:, None] & m_k[None, :], other=0.0)
+        v = tl.load(p_x + o_v, mask=m_v, other=0.0).to(tl.float32)
+        rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
+        rd = rd.to(tl.float32)
 
-    if flush:
-        # Same rank-1 fp32 updates as the fused kernel's flush.
-        S = S * eG
-        p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
-        for j in range(0, n):
-            w_j = tl.load(c_row + j)
-            d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            S += (w_j * d_j)[:, None] * k_j[None, :]
-        S = alpha * S + d[:, None] * k[None, :]
-        tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
-    else:
-        tl.store(p_dr + n * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
-    if (i_hv == 0) & (i_v == 0):
+        Sq = eG * tl.sum(S * q[None, :], 1) + tl.sum(rd * cq[:, None], 0)
+        Sk = eG * tl.sum(S * k[None, :], 1) + tl.sum(rd * ck[:, None], 0)
+        d = beta * (v - alpha * Sk)
+        o = alpha * Sq + d * k_dot_q
+        tl.store(p_out + o_v, o.to(out.dtype.element_ty), mask=m_v)
+
+        if flush:
+            # Same rank-1 fp32 updates as the fused kernel's flush.
+            S = S * eG
+            for j in range(0, n):
+                w_j = tl.load(c_row + j)
+                d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                S += (w_j * d_j)[:, None] * k_j[None, :]
+            S = alpha * S + d[:, None] * k[None, :]
+            tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
+        else:
+            tl.store(p_dr + n * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
+        if not PREFETCH:
+            if c + 1 < CH:
+                o_n = o_v + BV
+                S_next = tl.load(p_s + BV * K, mask=(o_n < V)[:, None] & m_k[None, :], other=0.0)
+    if (i_hv == 0) & (i_s == 0):
         tl.store(cursor + slot, tl.where(flush, 0, n + 1))
 
 
@@ -524,48 +552,42 @@ def _ring_geometry(state, ring_d, ring_k, ring_g, cursor):
     return H, HV, K, V, L, strides
 
 
-# Launch configurations: (BV, num_warps, prefetch_ring, group_heads).
+# Launch configurations: (BV, num_warps, prefetch_ring, group_heads[, mode[, nsplit]]).
 #   BV            value rows per program (V split into cdiv(V, BV) blocks)
 #   num_warps     warps per program
-#   prefetch_ring read all L ring entries without waiting for the cursor ticket instead of
-#                 only the n live ones (saves a dependent memory round trip per program)
-#   group_heads   one program loops over the HV/H value heads of a key head, so q, k and the
-#                 ring-key dot products are done once per key head instead of once per value
-#                 head (fewer instructions per state byte; fewer, longer programs)
+#   prefetch_ring fused kernel: read all L ring entries without waiting for the cursor ticket
+#                 instead of only the n live ones (saves a dependent memory round trip);
+#                 two-phase main kernel: prefetch the next chunk's state tile
+#   group_heads   fused kernel: one program loops over the HV/H value heads of a key head
+#   mode          0 = fused single kernel; 1 = two-phase (prep kernel per row and key head does
+#                 the O(L K) ring work once, the main kernel streams the state); 2 = two-phase
+#                 with programmatic dependent launch (Hopper+)
+#   nsplit        two-phase: programs per (row, value head), each looping over its share of the
+#                 V / BV chunks (default: one chunk per program)
 #
-# Table from the H200 sweep in benchmarks/results/kernel_decode.json (Triton 3.6; K=V=128,
-# L=16, bf16 activations and ring; pairs = rows x value heads, thresholds scaled by SMs/132):
+# Table from the H200 sweeps in benchmarks/results/kernel_decode_sweep.json (Triton 3.6;
+# K=V=128, L=16, bf16 activations and ring; pairs = rows x value heads, thresholds scaled by
+# SMs/132). Small launches are latency-bound: one fused kernel, small tiles. From ~512 pairs on
+# the two-phase launch with 8-row tiles was fastest for every state dtype (ties within 1-2% at
+# the threshold); PDL and chunk loops (nsplit) measured no better, so the table does not use them.
 #
-#   state    pairs               GQA HV/H   config                 (measured best or tie)
-#   fp32     < 2048              any        (16, 1, prefetch)
-#   fp32     >= 8192             >= 4       (32, 1, prefetch, grouped)
-#   fp32     otherwise           any        (32, 1, prefetch)
-#   16-bit   <= 128              any        (16, 1, prefetch)
-#   16-bit   >= 16384            >= 4       (64, 2, masked, grouped)
-#   16-bit   otherwise           any        (32, 1, prefetch)
-#
-# Whole-V tiles with 4-8 warps (BV=128) measured slower everywhere (cross-warp reductions).
+#   state    pairs        config
+#   fp32     < 512        (16, 1, prefetch)                 fused
+#   16-bit   <= 128       (16, 1, prefetch)                 fused
+#   16-bit   < 512        (32, 1, prefetch)                 fused
+#   any      >= 512       (8, 1, -, -, two-phase)
 def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device,
-                       H: int | None = None) -> tuple[int, int, bool, bool]:
-    """(BV, num_warps, prefetch_ring, group_heads) for a decode launch of N rows."""
+                       H: int | None = None) -> tuple:
+    """Launch configuration for a decode launch of N rows (see the table above)."""
     bv_max = max(16, triton.next_power_of_2(V))
     scale = _num_sms(torch.device(device)) / 132.0
-    group = HV // H if H else 1
     pairs = N * HV / scale
-    if state_dtype == torch.float32:
-        if pairs < 2048:
-            cfg = (16, 1, True, False)
-        elif pairs >= 8192 and group >= 4:
-            cfg = (32, 1, True, True)
-        else:
-            cfg = (32, 1, True, False)
+    if pairs >= 512:
+        return (8, 1, False, False, 1)
+    if state_dtype == torch.float32 or pairs <= 128:
+        cfg = (16, 1, True, False)
     else:
-        if pairs <= 128:
-            cfg = (16, 1, True, False)
-        elif pairs >= 16384 and group >= 4:
-            cfg = (64, 2, False, True)
-        else:
-            cfg = (32, 1, True, False)
+        cfg = (32, 1, True, False)
     return (min(cfg[0], bv_max),) + cfg[1:]
 
 
@@ -592,8 +614,10 @@ def ring_decode(
     """One decode token per row through the replay ring (semantics of `ring_decode_reference`).
 
     Writes `out` ([N, HV, V] or [N, 1, HV, V], contiguous) and updates state / rings / cursor in
-    place on the GPU: no host sync, nothing allocated, safe to capture in a CUDA graph.
-    `config` = (BV, num_warps, prefetch_ring[, group_heads]) overrides the launch heuristic
+    place on the GPU: no host sync, safe to capture in a CUDA graph (the two-phase form allocates
+    a small scratch per call, which under capture comes from the graph's memory pool).
+    `config` = (BV, num_warps, prefetch_ring[, group_heads[, mode[, nsplit]]]) overrides the
+    launch heuristic
     (`pick_decode_config`; for benchmarks and tests).
     Returns `out` viewed as [N, HV, V].
     """
@@ -661,11 +685,19 @@ def ring_decode(
 def _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
                       ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, l2norm,
                       H, HV, K, V, L, BK, LP, strides, config):
-    """Launch the prep and main kernels (config: BV, num_warps, -, -, mode; mode 2 = PDL)."""
+    """Launch the prep and main kernels.
+
+    config = (BV, num_warps, prefetch_next_chunk, -, mode[, nsplit]): mode 1 = two-phase, 2 = with
+    programmatic dependent launch; nsplit = programs per (row, value head), each looping over
+    cdiv(V / BV, nsplit) chunks of BV value rows (default: one chunk per program).
+    """
     ss, sd, sk, sg = strides
     N = mixed_qkv.shape[0]
     BV = min(config[0], max(16, triton.next_power_of_2(V)))
     NV = triton.cdiv(V, BV)
+    nsplit = min(config[5], NV) if len(config) > 5 and config[5] else NV  # programs per (row, head)
+    CH = triton.cdiv(NV, nsplit)
+    nsplit = triton.cdiv(NV, CH)
     # Programmatic dependent launch lets the main kernel load its state tiles while the prep
     # kernel runs (Hopper and newer; the interpreter has no grid dependency control).
     pdl = config[4] == 2 and state.is_cuda and torch.cuda.get_device_capability(state.device)[0] >= 9
@@ -684,10 +716,11 @@ def _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
         num_warps=2 if BK * LP <= 2048 else 4, num_stages=1,
     )
     extra = {"launch_pdl": True} if pdl else {}
-    _ring_main_kernel[(N * HV * NV,)](
+    _ring_main_kernel[(N * HV * nsplit,)](
         mixed_qkv, out3, state, idx, ring_d, ring_k, cursor, qk, coef, meta,
         mixed_qkv.stride(0), idx.stride(0), ss, sd, sk,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV, USE_PDL=pdl,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NSPLIT=nsplit, CH=CH,
+        PREFETCH=bool(config[2]), USE_PDL=pdl,
         num_warps=config[1], num_stages=1, **extra,
     )
 

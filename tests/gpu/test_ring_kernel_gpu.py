@@ -212,9 +212,13 @@ CASES = [
     ("gqa3_bf16_2phase_pdl_bv32", 2, 6, 128, 128, 16, BF16, BF16, (32, 1, False, False, 2)),
     ("k64_gqa2_fp16_2phase_bv8", 2, 4, 64, 64, 16, F16, F16, (8, 1, False, False, 1)),
     ("gqa8_fp32_2phase_bv64_w2", 1, 8, 128, 128, 16, F32, F32, (64, 2, False, False, 1)),
+    # two-phase with each main program looping over chunks (next chunk prefetched or not)
+    ("gqa4_fp16_2phase_loop_prefetch", 2, 8, 128, 128, 16, F16, F16, (8, 1, True, False, 1, 1)),
+    ("gqa4_fp32_2phase_loop", 2, 8, 128, 128, 16, F32, F32, (16, 1, False, False, 1, 1)),
+    ("gqa3_bf16_2phase_pdl_split4_w4", 2, 6, 128, 128, 16, BF16, BF16, (32, 4, True, False, 2, 2)),
 ]
 
-TWO_PHASE_PDL = (32, 1, False, False, 2)
+TWO_PHASE_PDL = (8, 1, True, False, 2, 4)
 
 
 @pytest.mark.parametrize("name,H,HV,K,V,L,sdt,rdt,config", CASES, ids=[c[0] for c in CASES])
