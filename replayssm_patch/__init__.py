@@ -31,7 +31,7 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         activation dtype), "activation" (always the activation dtype: half the ring bytes) or
         "float32".
     allow_16bit_state: on CUDA, also serve bf16/fp16 SSM states (off by default: the ring
-        kernel does not beat vLLM's native decode there yet).
+        kernel is slower than vLLM's native decode there at small batches).
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """

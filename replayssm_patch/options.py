@@ -35,8 +35,8 @@ class Options:
     # ring d/k dtype: "auto" = fp32 for an fp32 state, else the activation dtype;
     # "activation" = always the activation dtype (half the ring bytes); "float32" = always fp32
     ring_dtype: str = "auto"
-    # On CUDA the ring kernel does not beat native decode for bf16/fp16 states yet, so those
-    # configs stay native unless this is set.
+    # On CUDA the ring kernel is slower than native decode for bf16/fp16 states at small
+    # batches (faster from batch 16-64 up), so those configs stay native unless this is set.
     allow_16bit_state: bool = False
 
     def to_env(self) -> dict[str, str]:

@@ -172,8 +172,9 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
         from .kernels import gpu_kernels_available
 
         if state_dtype in (torch.bfloat16, torch.float16) and not options.allow_16bit_state:
-            reasons.append(f"SSM state {state_dtype}: on CUDA the ring kernel does not beat vLLM's native "
-                           "decode for 16-bit states in this release (set VLLM_GDN_REPLAYSSM_16BIT_STATE=1 "
+            reasons.append(f"SSM state {state_dtype}: on CUDA the ring kernel is slower than vLLM's native "
+                           "decode for 16-bit states at small batches (0.8-0.97x up to batch 8-32, 1.0-1.1x "
+                           "above, H200) (set VLLM_GDN_REPLAYSSM_16BIT_STATE=1 "
                            "or patch(allow_16bit_state=True) to use it anyway)")
 
         ok, why = gpu_kernels_available()
