@@ -61,6 +61,7 @@ L = 16
 # A fifth element 1 / 2 selects the two-phase launch (prep + main kernel; 2 = with programmatic
 # dependent launch).
 SWEEP = [(16, 1, True, False), (32, 1, True, False), (32, 1, True, True), (64, 2, False, True),
+         (16, 1, False, False), (32, 1, False, False),
          (8, 1, False, False, 1), (8, 1, False, False, 2), (8, 1, False, False, 1, 1),
          (8, 1, True, False, 1, 1), (16, 1, True, False, 1, 1), (8, 1, True, False, 1, 4),
          (8, 1, True, False, 2, 4), (16, 2, True, False, 1, 1), (32, 4, True, False, 1, 1)]
@@ -295,7 +296,7 @@ def run(args):
             jobs.append(("native", H, HV, sdt_name, None, args.vllm_root))
             cfgs = {c for c in (SWEEP if args.sweep else [])
                     if args.sweep_only is None or cfg_name(c) in args.sweep_only}
-            cfgs |= {pick_decode_config(b, HV, HEAD_DIM, HEAD_DIM, STATE_DTYPES[sdt_name], dev, H) for b in batches}
+            cfgs |= {pick_decode_config(b, HV, HEAD_DIM, HEAD_DIM, STATE_DTYPES[sdt_name], dev, H, RING_DTYPE) for b in batches}
             for c in sorted(cfgs):
                 jobs.append(("ours", H, HV, sdt_name, c, args.vllm_root))
     print(f"pre-compiling {len(jobs)} kernels with {args.workers} workers", flush=True)
@@ -328,7 +329,7 @@ def run(args):
                 NL = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / per_layer)))
                 gen = torch.Generator(device="cuda").manual_seed(B * 131 + HV)
                 layers = [Layer(B, H, HV, sdt, gen) for _ in range(NL)]
-                heur = pick_decode_config(B, HV, HEAD_DIM, HEAD_DIM, sdt, dev, H)
+                heur = pick_decode_config(B, HV, HEAD_DIM, HEAD_DIM, sdt, dev, H, RING_DTYPE)
                 graphs = {"native": capture(lambda ly: ly.native(native_fn), layers),
                           "ours": capture(lambda ly: ly.ours(None), layers)}
                 for ly in layers:
@@ -432,7 +433,8 @@ def rescore(path, test_report=None, note=None):
     rd._num_sms = lambda device: sms
     try:
         for r in res["rows"]:
-            cfg = pick_decode_config(r["batch"], r["HV"], r["K"], r["V"], dtypes[r["state_dtype"]], "cpu", r["H"])
+            cfg = pick_decode_config(r["batch"], r["HV"], r["K"], r["V"], dtypes[r["state_dtype"]], "cpu", r["H"],
+                                     dtypes[r.get("ring_dtype", "bf16")])
             name = cfg_name(cfg)
             if name not in r["sweep_us"]:
                 raise SystemExit(f"{name} was not swept for {r['shape']} {r['state_dtype']} B={r['batch']}")

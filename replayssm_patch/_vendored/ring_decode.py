@@ -571,19 +571,29 @@ def _ring_geometry(state, ring_d, ring_k, ring_g, cursor):
 # the two-phase launch with 8-row tiles was fastest for every state dtype (ties within 1-2% at
 # the threshold); PDL and chunk loops (nsplit) measured no better, so the table does not use them.
 #
-#   state    pairs        config
-#   fp32     < 512        (16, 1, prefetch)                 fused
-#   16-bit   <= 128       (16, 1, prefetch)                 fused
-#   16-bit   < 512        (32, 1, prefetch)                 fused
-#   any      >= 512       (8, 1, -, -, two-phase)
+# With fp32 ring entries (the integration's default for an fp32 state) the fused kernel's
+# prefetched ring keys cost registers; a separate sweep (kernel_decode_fp32ring_small_sweep.json)
+# put the two-phase launch with PDL first at <= 128 pairs and 32-row fused tiles up to 512.
+#
+#   state    ring    pairs        config
+#   fp32     fp32    <= 128       (8, 1, -, -, two-phase + PDL)
+#   fp32     fp32    < 512        (32, 1, prefetch)                 fused
+#   fp32     16-bit  < 512        (16, 1, prefetch)                 fused
+#   16-bit   any     <= 128       (16, 1, prefetch)                 fused
+#   16-bit   any     < 512        (32, 1, prefetch)                 fused
+#   any      any     >= 512       (8, 1, -, -, two-phase)
 def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device,
-                       H: int | None = None) -> tuple:
+                       H: int | None = None, ring_dtype: torch.dtype | None = None) -> tuple:
     """Launch configuration for a decode launch of N rows (see the table above)."""
     bv_max = max(16, triton.next_power_of_2(V))
     scale = _num_sms(torch.device(device)) / 132.0
     pairs = N * HV / scale
     if pairs >= 512:
         return (8, 1, False, False, 1)
+    if state_dtype == torch.float32 and ring_dtype == torch.float32:
+        if pairs <= 128:
+            return (8, 1, False, False, 2)
+        return (min(32, bv_max), 1, True, False)
     if state_dtype == torch.float32 or pairs <= 128:
         cfg = (16, 1, True, False)
     else:
@@ -653,7 +663,7 @@ def ring_decode(
     BK = triton.next_power_of_2(K)
     LP = max(16, triton.next_power_of_2(L))
     if config is None:
-        config = pick_decode_config(N, HV, K, V, state.dtype, dev, H)
+        config = pick_decode_config(N, HV, K, V, state.dtype, dev, H, ring_d.dtype)
     if len(config) > 4 and config[4]:
         _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, state_indices,
                           ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, use_qk_l2norm,
