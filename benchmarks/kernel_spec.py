@@ -10,7 +10,11 @@ Arms, in one process on one GPU, on the same inputs:
   an unpacked vLLM tree or an installed vLLM) with 1+T state slots per request: it reads the
   slot of the last accepted token and writes the state after every token of the window;
 * ours: `ring_verify` (one checkpoint slot per request + a 32-entry replay ring; the delayed
-  commit of the previous window from num_accepted runs inside the same launch).
+  commit of the previous window from num_accepted runs inside the same step), in its default
+  launch form (mode="parallel": main kernel per (row, value head, BV value rows) + finish
+  kernel per (row, key head));
+* ours serial: `ring_verify(..., mode="serial")` (one program per (row, key head)), for
+  comparison.
 
 Shape: Qwen3.5-9B / Qwen3-Next GDN (H=16, HV=32, K=V=128), fp32 SSM state (Qwen3.5's
 default), bf16 activations, fp32 ring (the integration's default for an fp32 state).
@@ -30,8 +34,9 @@ with random accepted counts) and reports the largest relative output difference.
 GDN cache bytes per request at T = 7 (Qwen3.5-9B GDN layer, conv state bf16, vLLM's page =
 conv + SSM state): native keeps 1+T pages, ours one page plus the ring.
 
-Writes <out-dir>/kernel_spec.json (with `summary.speedup_b256_t8` and
-`summary.gdn_cache_bytes_ratio_t7`) and <out-dir>/kernel_spec.md.
+Writes <out-dir>/kernel_spec.json (with `summary.speedup_b256_t8` (default form),
+`summary.speedup_b256_t8_serial` and `summary.gdn_cache_bytes_ratio_t7`) and
+<out-dir>/kernel_spec.md.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ STEPS = 8  # steps per captured graph (one acceptance table)
 REPLAYS = 15
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 32
+PARALLEL_CONFIG = None  # (BV, num_warps) for the parallel form; None: ring_verify's default
 CONV_KERNEL = 4
 NATIVE_FILE = os.path.join("vllm", "third_party", "flash_linear_attention", "ops", "fused_sigmoid_gating.py")
 
@@ -151,11 +157,12 @@ class Layer:
             self.nidx = torch.arange(1, slots, dtype=torch.int32, device=dev).view(B, W)
             self.nstate[self.nidx[:, 0].long()] = s0.to(STATE_DTYPE)
 
-    def ours(self, acc):
+    def ours(self, acc, mode=None):
         from replayssm_patch._vendored.ring_verify import ring_verify
 
         ring_verify(self.qkv, self.a, self.b, self.A_log, self.dt_bias, self.kd ** -0.5, self.state, self.out,
-                    self.idx, self.cu, self.ring_d, self.ring_k, self.ring_g, self.cursor, acc, self.W)
+                    self.idx, self.cu, self.ring_d, self.ring_k, self.ring_g, self.cursor, acc, self.W,
+                    mode=mode, config=PARALLEL_CONFIG if mode in (None, "parallel") else None)
         return self.out
 
     def native(self, fn, acc):
@@ -200,7 +207,7 @@ def acceptance_table(B, T, steps, seed, mode, dev):
 # Sanity check: both kernels from the same state
 # --------------------------------------------------------------------------------------------
 
-def sanity(native_fn, dev, B=4, T=3, shape=(H, HV, HEAD)):
+def sanity(native_fn, dev, B=4, T=3, shape=(H, HV, HEAD), mode=None):
     gen = torch.Generator(device=dev).manual_seed(7)
     lay = Layer(B, T, gen, dev, shape=shape)
     worst = 0.0
@@ -213,7 +220,7 @@ def sanity(native_fn, dev, B=4, T=3, shape=(H, HV, HEAD)):
             lay.q.copy_(q.reshape(lay.q.shape))
             lay.k.copy_(k.reshape(lay.k.shape))
             lay.v.copy_(v.reshape(lay.v.shape))
-        o_ours = lay.ours(acc).float().clone()
+        o_ours = lay.ours(acc, mode).float().clone()
         o_nat = lay.native(native_fn, acc).float().reshape(o_ours.shape)
         err = float((o_ours - o_nat).norm() / o_nat.norm())
         worst = max(worst, err)
@@ -246,11 +253,11 @@ def time_cell(native_fn, B, T, dev):
     acc_u = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
     acc_all = acceptance_table(B, T, STEPS, seed=0, mode="all", dev=dev)
 
-    def run_ours(table):
+    def run_ours(table, mode=None):
         def f():
             for acc in table:
                 for lay in ours:
-                    lay.ours(acc)
+                    lay.ours(acc, mode)
         return f
 
     def run_native():
@@ -258,7 +265,10 @@ def time_cell(native_fn, B, T, dev):
             for lay in nat:
                 lay.native(native_fn, acc)
 
+    # ours and ours_all_accepted: the default (parallel) form; ours_serial: mode="serial" (the
+    # arms share the ring buffers: each replay continues from the cursors the last one left)
     graphs = {"ours": (_capture(run_ours(acc_u)), nl_o), "ours_all_accepted": (_capture(run_ours(acc_all)), nl_o),
+              "ours_serial": (_capture(run_ours(acc_u, "serial")), nl_o),
               "native": (_capture(run_native), nl_n)}
     for g, _ in graphs.values():  # settle the ring's cursors into their steady state
         g.replay()
@@ -278,8 +288,10 @@ def time_cell(native_fn, B, T, dev):
     torch.cuda.empty_cache()
     return {"B": B, "T": T, "layers_ours": nl_o, "layers_native": nl_n,
             "us_native": med["native"], "us_ours": med["ours"], "us_ours_all_accepted": med["ours_all_accepted"],
+            "us_ours_serial": med["ours_serial"],
             "speedup": med["native"] / med["ours"],
             "speedup_all_accepted": med["native"] / med["ours_all_accepted"],
+            "speedup_serial": med["native"] / med["ours_serial"],
             "native_GBps": bytes_per_layer(B, T, "native") / (med["native"] * 1e-6) / 1e9,
             "ours_outputs_finite": bool(ok)}
 
@@ -296,21 +308,26 @@ def write_results(res, out_dir):
         f"{res['native']['vllm_version']}; H={H}, HV={HV}, K=V={HEAD}, fp32 state, bf16 activations, "
         f"fp32 ring of L={L}; CUDA graphs, median of {REPLAYS} replays of {STEPS} steps; "
         "time per layer-step in microseconds. Accepted counts uniform in 1..T+1 "
-        "(\"all accepted\": every window fully accepted, the ring's worst case).",
+        "(\"all accepted\": every window fully accepted, the ring's worst case). \"ours\" is "
+        "`ring_verify`'s default launch form (parallel: main kernel per (row, value head, BV value "
+        "rows) + finish kernel per (row, key head)); \"serial\" is mode=\"serial\" (one program per "
+        "(row, key head)).",
         "",
         f"Sanity check (same state, two steps, T=3, B=4): max relative output difference "
-        f"{res['sanity_rel_diff']:.2e}.",
+        f"{res['sanity_rel_diff']:.2e} (parallel), {res['sanity_rel_diff_serial']:.2e} (serial).",
         "",
-        "| T | batch | native us | ours us | speedup | ours all-accepted us | speedup all-accepted |",
-        "|---|---|---|---|---|---|---|",
+        "| T | batch | native us | ours us | speedup | ours all-accepted us | speedup all-accepted "
+        "| serial us | serial speedup |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res["cells"]:
         lines.append(f"| {c['T']} | {c['B']} | {c['us_native']:.1f} | {c['us_ours']:.1f} | {c['speedup']:.2f}x | "
-                     f"{c['us_ours_all_accepted']:.1f} | {c['speedup_all_accepted']:.2f}x |")
+                     f"{c['us_ours_all_accepted']:.1f} | {c['speedup_all_accepted']:.2f}x | "
+                     f"{c['us_ours_serial']:.1f} | {c['speedup_serial']:.2f}x |")
     lines += [
         "",
         f"speedup at batch 256, T=8: {s['speedup_b256_t8']:.2f}x (all accepted: "
-        f"{s['speedup_b256_t8_all_accepted']:.2f}x)",
+        f"{s['speedup_b256_t8_all_accepted']:.2f}x; serial form: {s['speedup_b256_t8_serial']:.2f}x)",
         "",
         f"GDN cache bytes per request and layer at T=7 (conv + SSM state pages; ours + fp32 ring, L={L}): "
         f"native {s['gdn_cache_bytes_t7']['native']} B, ours {s['gdn_cache_bytes_t7']['ours']} B, "
@@ -330,17 +347,20 @@ def cache_summary():
 
 
 def smoke(native_fn, info):
-    """CPU run under TRITON_INTERPRET=1: the wiring of both arms at a tiny shape (no timing)."""
+    """CPU run under TRITON_INTERPRET=1: the wiring of all arms at a tiny shape (no timing)."""
     err = sanity(native_fn, "cpu", B=4, T=3, shape=(2, 4, 32))
-    print(json.dumps({"smoke": True, "native": info, "sanity_rel_diff": err, **cache_summary()}))
-    # ragged acceptance over several steps, both arms finite
+    err_s = sanity(native_fn, "cpu", B=4, T=3, shape=(2, 4, 32), mode="serial")
+    print(json.dumps({"smoke": True, "native": info, "sanity_rel_diff": err, "sanity_rel_diff_serial": err_s,
+                      **cache_summary()}))
+    # ragged acceptance over several steps, every arm finite
     gen = torch.Generator(device="cpu").manual_seed(1)
     lay = Layer(3, 2, gen, "cpu", shape=(2, 4, 32))
     for acc in acceptance_table(3, 2, 4, seed=3, mode="uniform", dev="cpu"):
         assert torch.isfinite(lay.ours(acc).float()).all()
+        assert torch.isfinite(lay.ours(acc, "serial").float()).all()
         assert torch.isfinite(lay.native(native_fn, acc).float()).all()
-    if err > 2e-2:
-        raise SystemExit(f"sanity check failed: ours vs native rel diff {err}")
+    if max(err, err_s) > 2e-2:
+        raise SystemExit(f"sanity check failed: ours vs native rel diff {err} (serial {err_s})")
     return err
 
 
@@ -349,7 +369,12 @@ def main(argv=None):
     ap.add_argument("--vllm-root", default=None, help="folder holding an unpacked vllm/ package")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1")
+    ap.add_argument("--parallel-config", default=None, metavar="BV,WARPS",
+                    help="launch config of the parallel form (default: ring_verify's)")
     args = ap.parse_args(argv)
+    global PARALLEL_CONFIG
+    if args.parallel_config:
+        PARALLEL_CONFIG = tuple(int(x) for x in args.parallel_config.split(","))
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment")
     native_fn, info = load_native(args.vllm_root)
@@ -363,9 +388,10 @@ def main(argv=None):
     t0 = time.time()
     dev = "cuda"
     err = sanity(native_fn, dev)
-    print(f"sanity: ours vs native max rel output diff {err:.2e}", flush=True)
-    if err > 2e-2:
-        raise SystemExit(f"sanity check failed: ours vs native rel diff {err}")
+    err_s = sanity(native_fn, dev, mode="serial")
+    print(f"sanity: ours vs native max rel output diff {err:.2e} (serial form {err_s:.2e})", flush=True)
+    if max(err, err_s) > 2e-2:
+        raise SystemExit(f"sanity check failed: ours vs native rel diff {err} (serial {err_s})")
     cells = []
     for T in TS:
         for B in BATCHES:
@@ -378,9 +404,10 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
         "native": info, "shape": {"H": H, "HV": HV, "K": HEAD, "V": HEAD, "L": L, "state": "fp32",
                                   "activations": "bf16", "ring": str(RING_DTYPE).replace("torch.", "")},
-        "steps_per_graph": STEPS, "replays": REPLAYS, "sanity_rel_diff": err, "cells": cells,
+        "steps_per_graph": STEPS, "replays": REPLAYS, "sanity_rel_diff": err, "sanity_rel_diff_serial": err_s,
+        "cells": cells, "default_mode": "parallel", "parallel_config": PARALLEL_CONFIG,
         "summary": {"speedup_b256_t8": pick["speedup"], "speedup_b256_t8_all_accepted": pick["speedup_all_accepted"],
-                    **cache_summary()},
+                    "speedup_b256_t8_serial": pick["speedup_serial"], **cache_summary()},
         "seconds": round(time.time() - t0, 1),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
     }

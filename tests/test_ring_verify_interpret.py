@@ -11,7 +11,8 @@ Every case draws fresh random inputs; per step each row verifies a random number
 value is seen), rings start with random committed entries and NaN past them, outputs are
 poisoned with NaN, a NULL-slot row and a padded row are in the batch, and tokens outside every
 row must stay untouched. Ring lengths are small, so flushes happen during pending windows and
-committed windows fill the ring to its end (n == L).
+committed windows fill the ring to its end (n == L). The numeric cases run once per launch form
+of `ring_verify` (mode="parallel", the default, and mode="serial").
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 if __name__ == "__main__":  # the subprocess: interpret mode before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -37,7 +39,7 @@ def _rel(x, ref):
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_state, config=None,
+def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_state, config=None, mode=None,
               out4=False, check_decode_after=False):
     """`steps` speculative steps (window up to W = T + 1 tokens) on the kernel and the reference."""
     import torch
@@ -100,7 +102,7 @@ def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_sta
         c_before = ref["cursor"].clone()
         p_before = ref["pending"].clone()
         ring_verify(qkv, a, b, A_log, dt_bias, K ** -0.5, mine["state"], o_mine, idx, cu,
-                    mine["d"], mine["k"], mine["g"], mine["word"], acc, W, config=config)
+                    mine["d"], mine["k"], mine["g"], mine["word"], acc, W, config=config, mode=mode)
         ring_spec_verify_reference(qkv, a, b, A_log, dt_bias, K ** -0.5, ref["state"], o_ref, idx, cu,
                                    ref["d"], ref["k"], ref["g"], ref["cursor"], ref["pending"], acc)
         for i in valid:
@@ -163,29 +165,29 @@ def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_sta
     return info
 
 
-def case_fp32_t3_gqa2_ragged():
+def case_fp32_t3_gqa2_ragged(mode):
     import torch
 
     # W up to 4 on an 8-entry ring: windows often do not fit, so verify flushes first.
     return _run_spec(H=2, HV=4, K=16, V=32, L=8, T=3, sdt=torch.float32, rdt=torch.float32,
                      adt=torch.float32, steps=10, seed=0, tol_out=1e-5, tol_state=1e-5,
-                     config=(16, 4), check_decode_after=True)
+                     config=(16, 4), check_decode_after=True, mode=mode)
 
 
-def case_fp32_t7_ring16_out4():
+def case_fp32_t7_ring16_out4(mode):
     import torch
 
     # T = 7 (W = 8) on a 16-entry ring, one key head, value dim in two blocks.
     return _run_spec(H=1, HV=2, K=16, V=32, L=16, T=7, sdt=torch.float32, rdt=torch.float32,
                      adt=torch.float32, steps=10, seed=1, tol_out=1e-5, tol_state=1e-5,
-                     config=(16, 4), out4=True)
+                     config=(16, 4), out4=True, mode=mode)
 
 
-def case_bf16_state_bf16_ring_t1():
+def case_bf16_state_bf16_ring_t1(mode):
     import torch
 
     return _run_spec(H=1, HV=2, K=16, V=16, L=4, T=1, sdt=torch.bfloat16, rdt=torch.bfloat16,
-                     adt=torch.bfloat16, steps=12, seed=2, tol_out=2e-2, tol_state=2e-2)
+                     adt=torch.bfloat16, steps=12, seed=2, tol_out=2e-2, tol_state=2e-2, mode=mode)
 
 
 def case_rejects_bad_inputs():
@@ -203,7 +205,8 @@ def case_rejects_bad_inputs():
         ring_g=torch.zeros(slots, HV, L), cursor=torch.zeros(slots, dtype=torch.int32),
         num_accepted=torch.ones(N, dtype=torch.int32), max_tokens=3,
     )
-    ring_verify(**args)  # the good call runs
+    ring_verify(**args)  # the good call runs, in both launch forms
+    ring_verify(**args, mode="serial")
     bad = {
         "cursor": torch.zeros(slots, dtype=torch.int64),
         "ring_d": torch.zeros(slots, HV, L + 1, V),
@@ -214,6 +217,7 @@ def case_rejects_bad_inputs():
         "num_accepted": torch.ones(N, dtype=torch.float32),
         "max_tokens": L + 1,
         "a": torch.randn(ntok + 1, HV),
+        "mode": "fused",
     }
     for name, t in bad.items():
         try:
@@ -231,12 +235,19 @@ def case_rejects_bad_inputs():
     return {}
 
 
+MODES = ("parallel", "serial")  # ring_verify's two launch forms, same semantics
+
+
+def _named(fn, name):
+    fn.__name__ = name
+    return fn
+
+
 CASES = [
-    case_fp32_t3_gqa2_ragged,
-    case_fp32_t7_ring16_out4,
-    case_bf16_state_bf16_ring_t1,
-    case_rejects_bad_inputs,
-]
+    _named(functools.partial(case, mode), f"{case.__name__}[{mode}]")
+    for case in (case_fp32_t3_gqa2_ragged, case_fp32_t7_ring16_out4, case_bf16_state_bf16_ring_t1)
+    for mode in MODES
+] + [case_rejects_bad_inputs]
 
 
 def _main() -> int:

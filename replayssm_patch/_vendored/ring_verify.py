@@ -15,33 +15,52 @@ bonus token and the drafts; any count up to `max_tokens`, zero allowed). Per row
      tokens' replay entries (d, k, G) are written at ring positions n..n+T_i-1 as the slot's
      new pending window.
 
+Two launch forms (`mode`), same semantics, same call:
+
+* "parallel" (default): a main kernel with one program per (row, value head, block of BV value
+  rows) -- batch x HV x V/BV programs, as vLLM's native spec kernel -- then a finish kernel per
+  (row, key head). Rows of the state are independent given k, q and the gates, so each main
+  program runs the row's whole window for its BV rows: it reads the committed ring d entries
+  of its own rows and the shared ring keys / gates, folds into its own checkpoint rows on a
+  flush, and writes its outputs and its own columns of the window's d entries. It never writes
+  what its siblings read: the window's keys (per key head), cumulative gates (per value head)
+  and the new cursor word are written by the finish kernel, launched after it on the same
+  stream, which recomputes them from the inputs (q/k normalisation and gating are cheap). The
+  main kernel reads the cursor word with a plain load (nothing writes it during that launch).
+* "serial": one kernel, one program per (row, key head) looping over the key head's value
+  heads and value blocks, so one program owns every ring entry it reads and writes (only
+  batch x H programs: 7-14x slower than native on an H200; kept for comparison).
+
 The cursor word. Per slot one int32 holds `n | p << 8` between launches (n committed entries,
 p the pending window length, both < 256), and in flight the arrival tickets in bits 16 and up
-(the same race-free read as in ring_decode: every program of a row reads the word with one
-atomic add of 1 << 16, the last of the row's programs writes the new word with an exchange).
+(the same race-free read as in ring_decode: every program of a row that writes the word --
+the serial kernel's, the parallel form's finish kernel's -- reads it with one atomic add of
+1 << 16, the last of the row's H programs writes the new word with an exchange).
 A slot with p == 0 holds the plain entry count that `ring_decode` and `ring_materialize` use;
 a slot with a pending window must go through `ring_commit` (or this kernel) before those see
 it. Commit, verify and the window bookkeeping thus need no host sync and no extra buffer, and
 the launch is CUDA-graph safe (everything it reads is a tensor; only the shapes and
 `max_tokens` are baked in).
 
-How the tokens are computed (program = (row, key head), looping over the key head's value
-heads and over blocks of BV value rows, so that one program owns every ring entry it reads and
-writes: the flush rewrites positions other programs would otherwise still be reading). With
+How the tokens are computed (per value head and block of BV value rows: a program of the
+parallel main kernel, one inner step of the serial kernel). With
 Gamma_t the cumulative log-decay up to token t (continuing from G_n, or from 0 after a flush),
 the state after token t applied to a vector x is
 
     S_t x = exp(Gamma_t) S_c x + sum_{j<n} exp(Gamma_t - G_j) d_j (k_j . x)
                                + sum_{u<=t} exp(Gamma_t - Gamma_u) d_u (k_u . x)
 
-so per value block one read of the checkpoint tile gives S_c q_t and S_c k_t for all tokens at
-once (two [BV, K] x [K, W] products), the committed entries add a [BV, n] x [n, W] product, and
-only the window's own entries are applied token by token (d_t depends on d_u, u < t):
+and per value block one read of the checkpoint tile serves every token (d_t depends on d_u,
+u < t):
 
     d_t = beta_t (v_t - alpha_t S_{t-1} k_t),   o_t = alpha_t S_{t-1} q_t + d_t (k_t . q_t).
 
-All products are fp32 with input_precision="ieee" (never tf32). A flush applies the committed
-entries to the tile as one [BV, n] x [n, K] product and stores the tile in the state dtype.
+The serial kernel forms S_c q_t, S_c k_t and the committed entries' part for all tokens at once
+as tl.dot products (fp32, input_precision="ieee", never tf32) and applies the window's own
+entries token by token; a flush is one [BV, n] x [n, K] product. The parallel main kernel does
+every product as an fp32 mat-vec per token (S_c x, k_j . x, k_u . x for x in {q_t, k_t}) and a
+flush as rank-1 updates, as ring_decode does (there a tl.dot spilled registers). Both
+store the flushed tile in the state dtype and continue from the stored (rounded) checkpoint.
 
 Requirements: the valid rows of one launch name distinct slots (vLLM guarantees this);
 1 <= max_tokens <= L <= 255; each row has at most `max_tokens` tokens (the launcher cannot
@@ -54,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config"]
+__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config", "MODES"]
 
 _TICKET_SHIFT = 16
 _PENDING_SHIFT = 8
@@ -220,6 +239,218 @@ def _ring_verify_kernel(
         tl.atomic_xchg(cursor + slot, n_w | (W << 8), sem="relaxed")
 
 
+# --------------------------------------------------------------------------------------------
+# Parallel form: main kernel per (row, value head, block of BV value rows) + finish kernel per
+# (row, key head). The main kernel only READS the data its sibling programs share (ring keys,
+# gates, cursor word) and writes only its own rows (outputs, ring d columns, checkpoint rows);
+# the finish kernel, launched after it on the same stream, writes the shared data. The kernel
+# boundary orders every shared read before the write, so the main kernel needs no atomics.
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _ring_verify_block_kernel(
+    qkv, a, b, A_log, dt_bias, out, state, idx, cu, acc,
+    ring_d, ring_k, ring_g, cursor,
+    scale,
+    stride_qkv, stride_a, stride_b, stride_idx, stride_acc,
+    slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
+    NV: tl.constexpr, HAS_ACC: tl.constexpr, L2NORM: tl.constexpr,
+):
+    # Program order: value block fastest, then value head, then row, so the GROUP * NV programs
+    # of one (row, key head) run next to each other and share q, k and ring-key loads in L2.
+    pid = tl.program_id(0)
+    jv = pid % NV
+    hv = (pid // NV) % HV
+    row = (pid // (NV * HV)).to(tl.int64)
+    GROUP: tl.constexpr = HV // H
+    i_h = hv // GROUP
+
+    o_k = tl.arange(0, BK)
+    o_w = tl.arange(0, WP)
+    o_l = tl.arange(0, LP)
+    o_v = jv * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
+    lo = tl.load(cu + row).to(tl.int64)
+    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
+    W = tl.minimum(tl.maximum(W, 0), MAXT)
+    m_w = o_w < W
+    tok = lo + o_w
+
+    if slot <= 0:
+        # NULL block (0) or padding (-1): zero outputs for this block's rows, touch nothing else.
+        p_o = out + (tok[:, None] * HV + hv) * V + o_v[None, :]
+        tl.store(p_o, tl.zeros([WP, BV], dtype=tl.float32).to(out.dtype.element_ty),
+                 mask=m_w[:, None] & m_v[None, :])
+        return
+
+    # Tokens' q, k (this value head's key head, normalised) and v (this block's rows), loaded
+    # once: [WP, BK] and [WP, BV]. They come from the inputs: the ring positions the window's
+    # keys go to are written by the finish kernel, never read here.
+    p_x = qkv + tok[:, None] * stride_qkv
+    m_wk = m_w[:, None] & m_k[None, :]
+    Q = tl.load(p_x + i_h * K + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
+    Kt = tl.load(p_x + H * K + i_h * K + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
+    Vt = tl.load(p_x + 2 * H * K + hv * V + o_v[None, :], mask=m_w[:, None] & m_v[None, :],
+                 other=0.0).to(tl.float32)
+    if L2NORM:
+        Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None]
+        Kt = Kt / tl.sqrt(tl.sum(Kt * Kt, 1) + 1e-6)[:, None]
+    Q = Q * scale
+
+    # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
+    word = tl.load(cursor + slot)
+    n = word & 0xFF
+    pend = (word >> 8) & 0xFF
+    if HAS_ACC:
+        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
+        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
+    n = tl.minimum(n, L)
+    flush = n + W > L
+    n_w = tl.where(flush, 0, n)
+    live = o_l < n
+    live_v = live & ((o_l * 0 + n_w) > 0)  # committed entries the verify replays (none after a flush)
+
+    A_t = tl.load(A_log + hv).to(tl.float32)
+    dtb = tl.load(dt_bias + hv).to(tl.float32)
+    a_t = tl.load(a + tok * stride_a + hv, mask=m_w, other=0.0).to(tl.float32)
+    b_t = tl.load(b + tok * stride_b + hv, mask=m_w, other=0.0).to(tl.float32)
+    x = a_t + dtb
+    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+    g = tl.where(m_w, -tl.exp(A_t) * softplus, 0.0)
+    beta = 1.0 / (1.0 + tl.exp(-b_t))
+    Gc = tl.load(ring_g + slot * slot_stride_g + hv * L + o_l, mask=live, other=0.0)
+    G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
+    Gam = tl.where(flush, 0.0, G_n) + tl.cumsum(g, 0)  # [WP]
+
+    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
+    rk = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
+    rk = rk.to(tl.float32)  # [LP, BK]
+    m_vk = m_v[:, None] & m_k[None, :]
+    p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[:, None] * K + o_k[None, :]
+    S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)  # [BV, BK]
+    p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
+    rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live_v[:, None] & m_v[None, :], other=0.0)
+    rd = rd.to(tl.float32)  # [LP, BV]; zero when flushing (the flush reloads its entries)
+    if flush:
+        # S_c <- exp(G_n) S_c + sum_j exp(G_n - G_j) d_j k_j^T on this program's rows (rank-1
+        # fp32 updates, as ring_decode's flush), stored in the state dtype; the verify
+        # continues from the stored (rounded) checkpoint.
+        S = S * tl.exp(G_n)
+        for j in range(0, n):
+            w_j = tl.exp(G_n - tl.sum(tl.where(o_l == j, Gc, 0.0)))
+            d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            S += (w_j * d_j)[:, None] * k_j[None, :]
+        S = S.to(state.dtype.element_ty)
+        tl.store(p_s, S, mask=m_vk)
+        S = S.to(tl.float32)
+        tl.debug_barrier()  # every lane has read the d entries the window overwrites
+
+    # Token by token (d_t depends on d_u, u < t), every product a mat-vec in fp32:
+    #   S_{t} x = exp(Gam_t) S_c x + sum_{j<n} exp(Gam_t - G_j) d_j (k_j . x)
+    #                              + sum_{u<t} exp(Gam_t - Gam_u) d_u (k_u . x)
+    Dw = tl.zeros([WP, BV], dtype=tl.float32)  # window entries d_u (rows u < t set)
+    p_o = out + hv * V + o_v
+    for t in range(0, W):
+        sel = o_w == t
+        q_t = tl.sum(tl.where(sel[:, None], Q, 0.0), 0)  # [BK]
+        k_t = tl.sum(tl.where(sel[:, None], Kt, 0.0), 0)
+        v_t = tl.sum(tl.where(sel[:, None], Vt, 0.0), 0)  # [BV]
+        gam_t = tl.sum(tl.where(sel, Gam, 0.0))
+        beta_t = tl.sum(tl.where(sel, beta, 0.0))
+        # entries past the cursor / later tokens may hold anything: select, never multiply by 0
+        wc = tl.where(live_v, tl.exp(gam_t - Gc), 0.0)  # [LP]
+        ww = tl.where(o_w < t, tl.exp(gam_t - Gam), 0.0)  # [WP]
+        cq = wc * tl.sum(rk * q_t[None, :], 1)
+        ck = wc * tl.sum(rk * k_t[None, :], 1)
+        wq = ww * tl.sum(Kt * q_t[None, :], 1)
+        wk = ww * tl.sum(Kt * k_t[None, :], 1)
+        e_t = tl.exp(gam_t)
+        sq = e_t * tl.sum(S * q_t[None, :], 1) + tl.sum(rd * cq[:, None], 0) + tl.sum(Dw * wq[:, None], 0)
+        sk = e_t * tl.sum(S * k_t[None, :], 1) + tl.sum(rd * ck[:, None], 0) + tl.sum(Dw * wk[:, None], 0)
+        d = beta_t * (v_t - sk)
+        o = sq + d * tl.sum(k_t * q_t)
+        tt = lo + t
+        tl.store(p_o + tt * (HV * V), o.to(out.dtype.element_ty), mask=m_v)
+        tl.store(p_dr + (n_w + t) * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
+        # later tokens use d unrounded, as the sequential recurrence does
+        Dw = tl.where(sel[:, None], d[None, :], Dw)
+
+
+@triton.jit
+def _ring_verify_finish_kernel(
+    qkv, a, A_log, dt_bias, idx, cu, acc, ring_k, ring_g, cursor,
+    stride_qkv, stride_a, stride_idx, stride_acc, slot_stride_k, slot_stride_g,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
+    HAS_ACC: tl.constexpr, L2NORM: tl.constexpr,
+):
+    # Program = (row, key head): the window's keys of this key head, the window's cumulative
+    # gates of its GROUP value heads, and (last of the row's H programs) the new cursor word.
+    pid = tl.program_id(0)
+    i_h = pid % H
+    row = (pid // H).to(tl.int64)
+    GROUP: tl.constexpr = HV // H
+
+    o_k = tl.arange(0, BK)
+    o_w = tl.arange(0, WP)
+    o_g = tl.arange(0, GP)
+    m_k = o_k < K
+    m_g = o_g < GROUP
+    hvs = i_h * GROUP + o_g
+
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
+    if slot <= 0:
+        return
+    lo = tl.load(cu + row).to(tl.int64)
+    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
+    W = tl.minimum(tl.maximum(W, 0), MAXT)
+    m_w = o_w < W
+    tok = lo + o_w
+
+    # The ticket makes the read of the word race-free against the row's last program's write.
+    ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
+    arrivals = ticket >> 16
+    n = ticket & 0xFF
+    pend = (ticket >> 8) & 0xFF
+    if HAS_ACC:
+        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
+        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
+    n = tl.minimum(n, L)
+    flush = n + W > L
+    n_w = tl.where(flush, 0, n)
+
+    # keys: the same normalisation as the main kernel
+    m_wk = m_w[:, None] & m_k[None, :]
+    Kt = tl.load(qkv + tok[:, None] * stride_qkv + H * K + i_h * K + o_k[None, :], mask=m_wk,
+                 other=0.0).to(tl.float32)
+    if L2NORM:
+        Kt = Kt / tl.sqrt(tl.sum(Kt * Kt, 1) + 1e-6)[:, None]
+    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
+    tl.store(p_kr + (n_w + o_w)[:, None] * K + o_k[None, :], Kt.to(ring_k.dtype.element_ty), mask=m_wk)
+
+    # gates: Gamma_t = G_n (0 after a flush) + cumulative g over the window, per value head
+    m_wg = m_w[:, None] & m_g[None, :]
+    A_t = tl.load(A_log + hvs, mask=m_g, other=0.0).to(tl.float32)
+    dtb = tl.load(dt_bias + hvs, mask=m_g, other=0.0).to(tl.float32)
+    a_t = tl.load(a + tok[:, None] * stride_a + hvs[None, :], mask=m_wg, other=0.0).to(tl.float32)
+    x = a_t + dtb[None, :]
+    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+    g = tl.where(m_wg, -tl.exp(A_t)[None, :] * softplus, 0.0)  # [WP, GP]
+    p_g = ring_g + slot * slot_stride_g + hvs * L
+    G_n = tl.load(p_g + n - 1, mask=m_g & ((o_g * 0 + n) > 0), other=0.0)  # [GP]; 0 if empty
+    Gam = tl.where(flush, 0.0, G_n)[None, :] + tl.cumsum(g, 0)
+    tl.store(p_g[None, :] + (n_w + o_w)[:, None], Gam, mask=m_wg)
+    if arrivals == H - 1:
+        # Last of the row's H programs to take a ticket: everyone has read the word.
+        tl.atomic_xchg(cursor + slot, n_w | (W << 8), sem="relaxed")
+
+
 @triton.jit
 def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
                         L: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
@@ -250,8 +481,14 @@ def unpack_cursor(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return word & _FIELD_MASK, (word >> _PENDING_SHIFT) & _FIELD_MASK
 
 
-def verify_config(V: int, state_dtype: torch.dtype) -> tuple[int, int]:
-    """(BV, num_warps): value rows per inner block and warps per program."""
+MODES = ("parallel", "serial")
+
+
+def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tuple[int, int]:
+    """(BV, num_warps): value rows per block (per program in the parallel form, per inner loop
+    step in the serial form) and warps per program."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     bv = 32 if V >= 32 else max(16, triton.next_power_of_2(V))
     return bv, 4
 
@@ -336,6 +573,7 @@ def ring_verify(
     use_qk_l2norm: bool = True,
     *,
     config: tuple[int, int] | None = None,
+    mode: str | None = None,
 ) -> torch.Tensor:
     """One speculative step through the ring (semantics of `ring_spec_verify_reference`).
 
@@ -346,7 +584,11 @@ def ring_verify(
     Writes `out` ([tokens, HV, V] or [tokens, 1, HV, V], contiguous) for every token of every
     row (zero for rows with slot <= 0; tokens outside every row untouched), updates state,
     rings and cursor in place. No host sync, nothing allocated: CUDA-graph safe.
-    `config` = (BV, num_warps) overrides the default launch configuration.
+    `mode` picks the launch form: "parallel" (default: a main kernel per (row, value head,
+    BV value rows), then a finish kernel per (row, key head)) or "serial" (one kernel, one
+    program per (row, key head)); both have the same semantics.
+    `config` = (BV, num_warps) overrides the default launch configuration (of the main kernel
+    in the parallel form).
     Returns `out` viewed as [tokens, HV, V].
     """
     H, HV, K, V, L, (ss, sd, sk, sg) = _geometry(state, ring_d, ring_k, ring_g, cursor)
@@ -378,6 +620,9 @@ def ring_verify(
         raise ValueError(f"out must be contiguous with tokens*HV*V = {ntok * HV * V} elements")
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= L:
         raise ValueError(f"max_tokens must be an int in [1, L={L}] (got {max_tokens!r})")
+    mode = "parallel" if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     dev = state.device
     _check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
                   state_indices=state_indices, cu_seqlens=cu_seqlens)
@@ -385,19 +630,41 @@ def ring_verify(
     out3 = out.view(ntok, HV, V)
     if N == 0:
         return out3
-    BV, num_warps = config if config is not None else verify_config(V, state.dtype)
+    BV, num_warps = config if config is not None else verify_config(V, state.dtype, mode)
     BV = min(BV, max(16, triton.next_power_of_2(V)))
+    BK = max(16, triton.next_power_of_2(K))
+    LP = max(16, triton.next_power_of_2(L))
+    WP = max(16, triton.next_power_of_2(max_tokens))
+    acc_arg = acc if acc is not None else state_indices
+    if mode == "parallel":
+        NV = triton.cdiv(V, BV)
+        _ring_verify_block_kernel[(N * HV * NV,)](
+            mixed_qkv, a, b, A_log, dt_bias, out, state, state_indices, cu_seqlens, acc_arg,
+            ring_d, ring_k, ring_g, cursor,
+            float(scale),
+            mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc,
+            ss, sd, sk, sg,
+            H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
+            HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
+            num_warps=num_warps, num_stages=1,
+        )
+        # Same stream, after the main kernel: the shared keys, gates and cursor words.
+        _ring_verify_finish_kernel[(N * H,)](
+            mixed_qkv, a, A_log, dt_bias, state_indices, cu_seqlens, acc_arg,
+            ring_k, ring_g, cursor,
+            mixed_qkv.stride(0), a.stride(0), state_indices.stride(0), s_acc, sk, sg,
+            H=H, HV=HV, K=K, L=L, BK=BK, GP=max(2, triton.next_power_of_2(HV // H)), WP=WP, MAXT=max_tokens,
+            HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
+            num_warps=4 if WP * BK > 2048 else 2, num_stages=1,
+        )
+        return out3
     _ring_verify_kernel[(N * H,)](
-        mixed_qkv, a, b, A_log, dt_bias, out, state, state_indices, cu_seqlens,
-        acc if acc is not None else state_indices,
+        mixed_qkv, a, b, A_log, dt_bias, out, state, state_indices, cu_seqlens, acc_arg,
         ring_d, ring_k, ring_g, cursor,
         float(scale),
         mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc,
         ss, sd, sk, sg,
-        H=H, HV=HV, K=K, V=V, L=L,
-        BK=max(16, triton.next_power_of_2(K)), BV=BV,
-        LP=max(16, triton.next_power_of_2(L)), WP=max(16, triton.next_power_of_2(max_tokens)),
-        MAXT=max_tokens,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens,
         HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
         num_warps=num_warps, num_stages=1,
     )
