@@ -16,9 +16,6 @@ if __name__ == "__main__":  # the subprocess: interpret mode before anything imp
     os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib.util
-import json
-import subprocess
-import traceback
 
 import pytest
 
@@ -276,43 +273,16 @@ CASES = [
 ]
 
 
-def _main() -> int:
-    import time
-
-    for case in CASES:
-        t0 = time.perf_counter()
-        try:
-            info = case()
-            rec = {"case": case.__name__, "ok": True, "info": info}
-        except Exception:  # reported to the parent, which fails that test
-            rec = {"case": case.__name__, "ok": False, "error": traceback.format_exc()}
-        rec["seconds"] = round(time.perf_counter() - t0, 2)
-        print("RESULT " + json.dumps(rec), flush=True)
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
-# pytest side
-# --------------------------------------------------------------------------------------------
-
 @pytest.fixture(scope="module")
 def interpreter_results():
     if not _HAVE:
         pytest.skip("torch and triton are needed for the interpreter tests")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-        timeout=600,
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            rec = json.loads(line[len("RESULT "):])
-            results[rec["case"]] = rec
-    if not results:
-        pytest.fail(f"interpreter subprocess produced no results (rc={proc.returncode}):\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return results
+    from replayssm_patch.testing.interpreted import collect
+
+    try:
+        return collect(__file__)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.parametrize("case", [c.__name__ for c in CASES])
@@ -323,4 +293,6 @@ def test_ring_kernel_interpreted(interpreter_results, case):
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    from replayssm_patch.testing.interpreted import run_cases
+
+    sys.exit(run_cases(CASES, set(sys.argv[1:])))

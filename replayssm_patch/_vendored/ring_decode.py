@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ring_checks import check_device, check_packed_inputs, ring_geometry
+
 __all__ = ["ring_decode", "ring_materialize", "ring_reset", "pick_decode_config"]
 
 _TICKET_SHIFT = 16  # cursor = arrivals << 16 | n while a launch is in flight
@@ -499,59 +501,6 @@ def _row_flags(flags: torch.Tensor | None, n: int, name: str, device) -> tuple[t
     return flags, flags.stride(0)
 
 
-def _slot_stride(t: torch.Tensor, name: str, inner: tuple[int, ...]) -> int:
-    """Slot stride of `t`; the dims after the slot dim must be contiguous (a page view is fine)."""
-    expect, acc = [], 1
-    for size in reversed(inner):
-        expect.append(acc)
-        acc *= size
-    expect = tuple(reversed(expect))
-    got = tuple(t.stride()[1:])
-    if any(sz > 1 and st != e for sz, st, e in zip(inner, got, expect)):
-        raise ValueError(f"{name} must be contiguous after its slot dim (strides {t.stride()})")
-    return t.stride(0)
-
-
-def _ring_geometry(state, ring_d, ring_k, ring_g, cursor):
-    if state.ndim != 4:
-        raise ValueError(f"state must be [slots, HV, V, K] (got {tuple(state.shape)})")
-    slots, HV, V, K = state.shape
-    L = ring_g.shape[-1]
-    if tuple(ring_d.shape) != (slots, HV, L, V):
-        raise ValueError(f"ring_d must have shape {(slots, HV, L, V)} (got {tuple(ring_d.shape)})")
-    if tuple(ring_g.shape) != (slots, HV, L):
-        raise ValueError(f"ring_g must have shape {(slots, HV, L)} (got {tuple(ring_g.shape)})")
-    if ring_k.ndim != 4 or ring_k.shape[0] != slots or tuple(ring_k.shape[2:]) != (L, K):
-        raise ValueError(f"ring_k must have shape ({slots}, H, {L}, {K}) (got {tuple(ring_k.shape)})")
-    H = ring_k.shape[1]
-    if H <= 0 or HV % H:
-        raise ValueError(f"value heads HV={HV} must be a multiple of ring_k's key heads H={H}")
-    if tuple(cursor.shape) != (slots,) or cursor.dtype != torch.int32:
-        raise ValueError(f"cursor must be int32 of shape ({slots},) (got {cursor.dtype} {tuple(cursor.shape)})")
-    if ring_g.dtype != torch.float32:
-        raise ValueError(f"ring_g must be float32 (got {ring_g.dtype})")
-    for name, t in (("state", state), ("ring_d", ring_d), ("ring_k", ring_k)):
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"{name} must be float32, bfloat16 or float16 (got {t.dtype})")
-    if not 1 <= L <= 0xFFFF:
-        raise ValueError(f"ring length L={L} must be in [1, 65535]")
-    if K < 16 or V < 16:
-        raise ValueError(f"head dims must be >= 16 (got K={K}, V={V})")
-    dev = state.device
-    for name, t in (("ring_d", ring_d), ("ring_k", ring_k), ("ring_g", ring_g), ("cursor", cursor)):
-        if t.device != dev:
-            raise ValueError(f"{name} must be on {dev} (got {t.device})")
-    strides = (
-        _slot_stride(state, "state", (HV, V, K)),
-        _slot_stride(ring_d, "ring_d", (HV, L, V)),
-        _slot_stride(ring_k, "ring_k", (H, L, K)),
-        _slot_stride(ring_g, "ring_g", (HV, L)),
-    )
-    if cursor.stride(0) != 1:
-        raise ValueError("cursor must be contiguous")
-    return H, HV, K, V, L, strides
-
-
 # Launch configurations: (BV, num_warps, prefetch_ring, group_heads[, mode[, nsplit]]).
 #   BV            value rows per program (V split into cdiv(V, BV) blocks)
 #   num_warps     warps per program
@@ -631,29 +580,15 @@ def ring_decode(
     (`pick_decode_config`; for benchmarks and tests).
     Returns `out` viewed as [N, HV, V].
     """
-    H, HV, K, V, L, (ss, sd, sk, sg) = _ring_geometry(state, ring_d, ring_k, ring_g, cursor)
-    if mixed_qkv.ndim != 2 or mixed_qkv.stride(-1) != 1:
-        raise ValueError("mixed_qkv must be 2-D [N, 2*H*K + HV*V], contiguous in its last dim")
-    N = mixed_qkv.shape[0]
-    if mixed_qkv.shape[1] != 2 * H * K + HV * V:
-        raise ValueError(
-            f"mixed_qkv last dim {mixed_qkv.shape[1]} != 2*H*K + HV*V = {2 * H * K + HV * V} "
-            f"(H={H} from ring_k, HV={HV}, K={K}, V={V})"
-        )
-    for name, t in (("a", a), ("b", b)):
-        if t.ndim != 2 or t.shape[0] != N or t.shape[1] != HV or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be [N, HV] = [{N}, {HV}], contiguous in its last dim")
-    if A_log.numel() != HV or dt_bias.numel() != HV or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
-        raise ValueError(f"A_log and dt_bias must be contiguous with {HV} elements")
+    H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, 0xFFFF)
+    N = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V)
     if state_indices.ndim != 1 or state_indices.shape[0] != N:
         raise ValueError(f"state_indices must be 1-D of length {N}")
     if not out.is_contiguous() or out.numel() != N * HV * V:
         raise ValueError(f"out must be contiguous with N*HV*V = {N * HV * V} elements")
     dev = state.device
-    for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log),
-                    ("dt_bias", dt_bias), ("out", out), ("state_indices", state_indices)):
-        if t.device != dev:
-            raise ValueError(f"{name} must be on {dev} (got {t.device})")
+    check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
+                 state_indices=state_indices)
     ff, s_ff = _row_flags(force_flush, N, "force_flush", dev)
     se, s_se = _row_flags(start_empty, N, "start_empty", dev)
     out3 = out.view(N, HV, V)
@@ -748,7 +683,7 @@ def ring_materialize(
     A slot whose ring is empty keeps its checkpoint bit-identical. Graph safe, no host sync.
     The valid entries of `slots` must be distinct.
     """
-    H, HV, K, V, L, (ss, sd, sk, sg) = _ring_geometry(state, ring_d, ring_k, ring_g, cursor)
+    H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, 0xFFFF)
     if slots.ndim != 1 or slots.device != state.device:
         raise ValueError("slots must be a 1-D tensor on the state's device")
     if slots.numel() == 0:

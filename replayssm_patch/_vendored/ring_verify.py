@@ -73,6 +73,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ring_checks import check_device, check_packed_inputs, ring_geometry
+
 __all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config", "MODES"]
 
 _TICKET_SHIFT = 16
@@ -493,55 +495,6 @@ def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tup
     return bv, 4
 
 
-def _check_device(dev, **tensors):
-    for name, t in tensors.items():
-        if t is not None and t.device != dev:
-            raise ValueError(f"{name} must be on {dev} (got {t.device})")
-
-
-def _geometry(state, ring_d, ring_k, ring_g, cursor):
-    if state.ndim != 4:
-        raise ValueError(f"state must be [slots, HV, V, K] (got {tuple(state.shape)})")
-    slots, HV, V, K = state.shape
-    if ring_g.ndim != 3:
-        raise ValueError(f"ring_g must be [slots, HV, L] (got {tuple(ring_g.shape)})")
-    L = ring_g.shape[-1]
-    if tuple(ring_g.shape) != (slots, HV, L):
-        raise ValueError(f"ring_g must have shape {(slots, HV, L)} (got {tuple(ring_g.shape)})")
-    if tuple(ring_d.shape) != (slots, HV, L, V):
-        raise ValueError(f"ring_d must have shape {(slots, HV, L, V)} (got {tuple(ring_d.shape)})")
-    if ring_k.ndim != 4 or ring_k.shape[0] != slots or tuple(ring_k.shape[2:]) != (L, K):
-        raise ValueError(f"ring_k must have shape ({slots}, H, {L}, {K}) (got {tuple(ring_k.shape)})")
-    H = ring_k.shape[1]
-    if H <= 0 or HV % H:
-        raise ValueError(f"state's value heads HV={HV} must be a multiple of ring_k's key heads H={H}")
-    if tuple(cursor.shape) != (slots,) or cursor.dtype != torch.int32 or cursor.stride(0) != 1:
-        raise ValueError(f"cursor must be contiguous int32 of shape ({slots},) "
-                         f"(got {cursor.dtype} {tuple(cursor.shape)})")
-    if ring_g.dtype != torch.float32:
-        raise ValueError(f"ring_g must be float32 (got {ring_g.dtype})")
-    for name, t in (("state", state), ("ring_d", ring_d), ("ring_k", ring_k)):
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"{name} must be float32, bfloat16 or float16 (got {t.dtype})")
-    if not 1 <= L <= _FIELD_MASK:
-        raise ValueError(f"ring length L={L} (ring_g's last dim) must be in [1, {_FIELD_MASK}]")
-    if K < 16 or V < 16:
-        raise ValueError(f"head dims must be >= 16 (got K={K}, V={V})")
-    _check_device(state.device, ring_d=ring_d, ring_k=ring_k, ring_g=ring_g, cursor=cursor)
-    strides = []
-    for name, t in (("state", state), ("ring_d", ring_d), ("ring_k", ring_k), ("ring_g", ring_g)):
-        inner = t.shape[1:]
-        expect, acc = [], 1
-        for size in reversed(inner):
-            expect.append(acc)
-            acc *= size
-        expect = tuple(reversed(expect))
-        if any(sz > 1 and st != e for sz, st, e in zip(inner, t.stride()[1:], expect)):
-            raise ValueError(f"{name} must be contiguous after its slot dim (strides {t.stride()})")
-        strides.append(t.stride(0))
-    return H, HV, K, V, L, strides
-
-
 def _rows_tensor(t, n, name, dev):
     if t is None:
         return None, 0
@@ -549,7 +502,7 @@ def _rows_tensor(t, n, name, dev):
         raise ValueError(f"{name} must be 1-D with at least {n} entries (got {tuple(t.shape)})")
     if t.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be int32 or int64 (got {t.dtype})")
-    _check_device(dev, **{name: t})
+    check_device(dev, **{name: t})
     return t, t.stride(0)
 
 
@@ -591,23 +544,8 @@ def ring_verify(
     in the parallel form).
     Returns `out` viewed as [tokens, HV, V].
     """
-    H, HV, K, V, L, (ss, sd, sk, sg) = _geometry(state, ring_d, ring_k, ring_g, cursor)
-    if mixed_qkv.ndim != 2 or mixed_qkv.stride(-1) != 1:
-        raise ValueError("mixed_qkv must be 2-D [tokens, 2*H*K + HV*V], contiguous in its last dim")
-    ntok = mixed_qkv.shape[0]
-    if mixed_qkv.shape[1] != 2 * H * K + HV * V:
-        raise ValueError(
-            f"mixed_qkv last dim {mixed_qkv.shape[1]} != 2*H*K + HV*V = {2 * H * K + HV * V} "
-            f"(H={H} from ring_k, HV={HV}, K={K}, V={V})"
-        )
-    for name, t in (("a", a), ("b", b)):
-        if t.ndim != 2 or t.shape[0] != ntok or t.shape[1] != HV or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be [tokens, HV] = [{ntok}, {HV}], contiguous in its last dim "
-                             f"(got {tuple(t.shape)})")
-    if A_log.numel() != HV or not A_log.is_contiguous():
-        raise ValueError(f"A_log must be contiguous with HV={HV} elements")
-    if dt_bias.numel() != HV or not dt_bias.is_contiguous():
-        raise ValueError(f"dt_bias must be contiguous with HV={HV} elements")
+    H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, _FIELD_MASK)
+    ntok = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V)
     if state_indices.ndim != 1:
         raise ValueError(f"state_indices must be 1-D (got {tuple(state_indices.shape)})")
     N = state_indices.shape[0]
@@ -624,8 +562,8 @@ def ring_verify(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     dev = state.device
-    _check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
-                  state_indices=state_indices, cu_seqlens=cu_seqlens)
+    check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
+                 state_indices=state_indices, cu_seqlens=cu_seqlens)
     acc, s_acc = _rows_tensor(num_accepted, N, "num_accepted", dev)
     out3 = out.view(ntok, HV, V)
     if N == 0:
@@ -684,7 +622,7 @@ def ring_commit(cursor: torch.Tensor, state_indices: torch.Tensor, num_accepted:
     if not isinstance(L, int) or not 1 <= L <= _FIELD_MASK:
         raise ValueError(f"L must be an int in [1, {_FIELD_MASK}] (got {L!r})")
     n = state_indices.shape[0]
-    _check_device(cursor.device, state_indices=state_indices)
+    check_device(cursor.device, state_indices=state_indices)
     acc, s_acc = _rows_tensor(num_accepted, n, "num_accepted", cursor.device)
     if n == 0:
         return

@@ -1,0 +1,50 @@
+"""Run Triton kernel checks under TRITON_INTERPRET=1 in one fresh subprocess.
+
+TRITON_INTERPRET must be set before triton is first imported, and another test module of the
+same pytest process may already have imported triton. So a test module runs its checks by
+executing itself as a script (`collect(__file__)`), whose `__main__` block sets the variable and
+calls `run_cases(CASES)`: one `RESULT {json}` line per check, which `collect` parses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+PREFIX = "RESULT "
+
+
+def run_cases(cases, only=()) -> int:
+    """Run each check (a function returning a JSON-able dict); print one RESULT line each."""
+    for case in cases:
+        if only and case.__name__ not in only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            rec = {"case": case.__name__, "ok": True, "info": case()}
+        except Exception:  # reported to the parent, which fails that check's test
+            rec = {"case": case.__name__, "ok": False, "error": traceback.format_exc()}
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        print(PREFIX + json.dumps(rec), flush=True)
+    return 0
+
+
+def collect(script: str, timeout: float = 600) -> dict:
+    """Run `script` under the interpreter; {case name: record}. Raises RuntimeError with the
+    subprocess's output when it produced no result at all (a crash before the first check)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, os.path.abspath(script)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(PREFIX):
+            rec = json.loads(line[len(PREFIX):])
+            results[rec["case"]] = rec
+    if not results:
+        raise RuntimeError(f"interpreter subprocess produced no results (rc={proc.returncode}):\n"
+                           f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return results
