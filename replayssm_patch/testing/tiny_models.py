@@ -156,7 +156,8 @@ def build_tiny_model(
     model's logits are decisive, and the context (attention, MLP, GDN state) decides the
     steps where another token competes. Random weights alone give near-flat logits (near
     ties at ~10% of steps), so greedy tokens flip at the slightest numeric difference.
-    `DECISIVE` holds the measured settings (not yet used by the integration tests).
+    `DECISIVE` holds the measured settings (the Qwen3.5 checkpoint of the vLLM integration tests;
+    their MODEL_SPECS give the other models' per-architecture factors).
     """
     config = tiny_model_config(arch, gdn_head_dim=gdn_head_dim, mtp_layers=mtp_layers, **config_overrides)
     key = content_key(config, seed, init_std, weight_scale, logit_echo)
