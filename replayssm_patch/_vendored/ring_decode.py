@@ -64,12 +64,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .gdn_gates import gdn_beta, gdn_log_decay
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
 
 __all__ = ["ring_decode", "ring_materialize", "ring_reset", "pick_decode_config"]
 
 _TICKET_SHIFT = 16  # cursor = arrivals << 16 | n while a launch is in flight
-_SOFTPLUS_THRESHOLD = 20.0
 
 
 @triton.jit
@@ -164,11 +164,9 @@ def _ring_decode_kernel(
         A_t = tl.load(A_log + hv).to(tl.float32)
         dtb = tl.load(dt_bias + hv).to(tl.float32)
 
-        x = a_t + dtb
-        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-        g = -tl.exp(A_t) * softplus
+        g = gdn_log_decay(a_t, A_t, dtb)
         alpha = tl.exp(g)
-        beta = 1.0 / (1.0 + tl.exp(-b_t))
+        beta = gdn_beta(b_t)
 
         if PREFETCH_RING:
             rd = tl.where(live[:, None], rd.to(tl.float32), 0.0)
@@ -298,11 +296,9 @@ def _ring_prep_kernel(
     kk = tl.where(live, tl.sum(rk * k[None, :], 1), 0.0)
     k_dot_q = tl.sum(k * q)
 
-    x = a_t + dtb
-    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-    g = -tl.exp(A_t) * softplus
+    g = gdn_log_decay(a_t, A_t, dtb)
     alpha = tl.exp(g)
-    beta = 1.0 / (1.0 + tl.exp(-b_t))
+    beta = gdn_beta(b_t)
     G_n = tl.sum(tl.where(o_l[None, :] == n - 1, Gr, 0.0), 1)  # [GP]; 0 when the ring is empty
     w = tl.where(live[None, :], tl.exp(G_n[:, None] - Gr), 0.0)  # [GP, LP]
     scal = tl.where(o_l[None, :] == 0, tl.exp(G_n)[:, None],
