@@ -62,20 +62,9 @@ def reset(ring, slots):
 
 
 # --------------------------------------------------------------------------------------------
-# Speculative decoding: the cursor word holds `n | pending << 8` (ring_verify's packing), so a
+# Speculative decoding: the cursor word holds `n | pending << 8` (ring_reference.pack_cursor), so a
 # slot carries its uncommitted verify window between steps with no extra buffer.
 # --------------------------------------------------------------------------------------------
-
-_PENDING_SHIFT, _FIELD = 8, 0xFF  # ring_verify.pack_cursor's layout (no triton on the CPU build)
-
-
-def _unpack(word):
-    return (word & _FIELD).clone(), ((word >> _PENDING_SHIFT) & _FIELD).clone()
-
-
-def _repack(word, n, pending):
-    word.copy_(n.to(word.dtype) | (pending.to(word.dtype) << _PENDING_SHIFT))
-
 
 def _gpu_verify():
     from ._vendored import ring_verify
@@ -96,7 +85,7 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
             ring.d, ring.k, ring.g, ring.cursor, num_accepted, max_tokens, use_qk_l2norm=True)
     L = ring.g.shape[-1]
-    n, pending = _unpack(ring.cursor)
+    n, pending = ref.unpack_cursor(ring.cursor)
     valid = state_indices > 0
     slots = state_indices[valid].long()
     if num_accepted is not None and slots.numel():  # counted here; the reference commits the same
@@ -111,7 +100,7 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     result = ref.ring_spec_verify_reference(
         mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
         ring.d, ring.k, ring.g, n, pending, None, use_qk_l2norm=True)
-    _repack(ring.cursor, n, pending)
+    ring.cursor.copy_(ref.pack_cursor(n, pending))
     return result
 
 
@@ -123,9 +112,9 @@ def commit(ring, slots, num_accepted):
     if ring.cursor.is_cuda:
         _gpu_verify().ring_commit(ring.cursor, slots, num_accepted, L)
         return
-    n, pending = _unpack(ring.cursor)
+    n, pending = ref.unpack_cursor(ring.cursor)
     ref.ring_commit_pending_reference(n, pending, slots, num_accepted, L)
-    _repack(ring.cursor, n, pending)
+    ring.cursor.copy_(ref.pack_cursor(n, pending))
 
 
 def check_committed(ring, slots):
@@ -133,5 +122,5 @@ def check_committed(ring, slots):
     if ring.cursor.is_cuda:
         return
     s = slots[slots > 0].long()
-    if s.numel() and bool(((ring.cursor[s] >> _PENDING_SHIFT) & _FIELD).any()):
+    if s.numel() and bool(ref.unpack_cursor(ring.cursor[s])[1].any()):
         raise RuntimeError(f"GDN ring: slots {s.tolist()} still hold an uncommitted verify window")

@@ -218,6 +218,23 @@ def ring_commit_reference(cursor, state_indices, num_accepted):
 # nothing, whatever num_accepted says (vLLM passes 1 for a row after its prefill).
 
 
+# The speculative kernels keep (cursor, pending) in one int32 per slot: n | pending << 8, both
+# below 256. These two helpers are that packing's one definition (torch only, so the CPU build
+# uses them without triton).
+CURSOR_PENDING_SHIFT = 8
+CURSOR_FIELD_MASK = 0xFF
+
+
+def pack_cursor(n: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """The packed cursor word from the (cursor, pending) pair (int32)."""
+    return (n.to(torch.int32) | (pending.to(torch.int32) << CURSOR_PENDING_SHIFT)).to(torch.int32)
+
+
+def unpack_cursor(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, pending) from packed cursor words (new tensors)."""
+    return word & CURSOR_FIELD_MASK, (word >> CURSOR_PENDING_SHIFT) & CURSOR_FIELD_MASK
+
+
 def ring_commit_pending_reference(cursor, pending, state_indices, num_accepted, L=None):
     """Delayed commit: n += min(num_accepted, pending) where a window is pending; pending = 0.
 

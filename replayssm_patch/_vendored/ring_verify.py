@@ -73,13 +73,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .gdn_gates import gdn_beta, gdn_log_decay
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
+from .ring_reference import CURSOR_FIELD_MASK, pack_cursor, unpack_cursor  # noqa: F401 (re-exported)
 
 __all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config", "MODES"]
 
-_TICKET_SHIFT = 16
-_PENDING_SHIFT = 8
-_FIELD_MASK = 0xFF
+_FIELD_MASK = CURSOR_FIELD_MASK  # n and the pending length: 8 bits each (the kernels spell 0xFF / 8)
 
 
 @triton.jit
@@ -165,10 +165,8 @@ def _ring_verify_kernel(
         dtb = tl.load(dt_bias + hv).to(tl.float32)
         a_t = tl.load(a + tok * stride_a + hv, mask=m_w, other=0.0).to(tl.float32)
         b_t = tl.load(b + tok * stride_b + hv, mask=m_w, other=0.0).to(tl.float32)
-        x = a_t + dtb
-        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-        g = tl.where(m_w, -tl.exp(A_t) * softplus, 0.0)
-        beta = 1.0 / (1.0 + tl.exp(-b_t))
+        g = tl.where(m_w, gdn_log_decay(a_t, A_t, dtb), 0.0)
+        beta = gdn_beta(b_t)
 
         p_g = ring_g + slot * slot_stride_g + hv * L
         Gc = tl.load(p_g + o_l, mask=live, other=0.0)
@@ -321,10 +319,8 @@ def _ring_verify_block_kernel(
     dtb = tl.load(dt_bias + hv).to(tl.float32)
     a_t = tl.load(a + tok * stride_a + hv, mask=m_w, other=0.0).to(tl.float32)
     b_t = tl.load(b + tok * stride_b + hv, mask=m_w, other=0.0).to(tl.float32)
-    x = a_t + dtb
-    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-    g = tl.where(m_w, -tl.exp(A_t) * softplus, 0.0)
-    beta = 1.0 / (1.0 + tl.exp(-b_t))
+    g = tl.where(m_w, gdn_log_decay(a_t, A_t, dtb), 0.0)
+    beta = gdn_beta(b_t)
     Gc = tl.load(ring_g + slot * slot_stride_g + hv * L + o_l, mask=live, other=0.0)
     G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
     Gam = tl.where(flush, 0.0, G_n) + tl.cumsum(g, 0)  # [WP]
@@ -441,9 +437,7 @@ def _ring_verify_finish_kernel(
     A_t = tl.load(A_log + hvs, mask=m_g, other=0.0).to(tl.float32)
     dtb = tl.load(dt_bias + hvs, mask=m_g, other=0.0).to(tl.float32)
     a_t = tl.load(a + tok[:, None] * stride_a + hvs[None, :], mask=m_wg, other=0.0).to(tl.float32)
-    x = a_t + dtb[None, :]
-    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-    g = tl.where(m_wg, -tl.exp(A_t)[None, :] * softplus, 0.0)  # [WP, GP]
+    g = tl.where(m_wg, gdn_log_decay(a_t, A_t[None, :], dtb[None, :]), 0.0)  # [WP, GP]
     p_g = ring_g + slot * slot_stride_g + hvs * L
     G_n = tl.load(p_g + n - 1, mask=m_g & ((o_g * 0 + n) > 0), other=0.0)  # [GP]; 0 if empty
     Gam = tl.where(flush, 0.0, G_n)[None, :] + tl.cumsum(g, 0)
@@ -472,16 +466,6 @@ def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-
-def pack_cursor(n: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-    """The kernel's cursor word from the reference's (cursor, pending) pair (int32)."""
-    return (n.to(torch.int32) | (pending.to(torch.int32) << _PENDING_SHIFT)).to(torch.int32)
-
-
-def unpack_cursor(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, pending) from the kernel's cursor word."""
-    return word & _FIELD_MASK, (word >> _PENDING_SHIFT) & _FIELD_MASK
-
 
 MODES = ("parallel", "serial")
 
