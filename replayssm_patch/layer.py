@@ -124,10 +124,3 @@ def make_cpu_nonspec_wrapper(native):
 
     cpu_gdn_attention_nonspec.__wrapped__ = native
     return cpu_gdn_attention_nonspec
-
-
-def make_cpu_spec_aware_wrapper(native):
-    """Wrap vLLM's `_cpu_gdn_attention_spec_aware(layer, md, ...)` (the CPU path when MTP is
-    configured): the same ring bookkeeping as the non-spec path; its recurrence kernels
-    (speculative and plain) are routed by the intercept wrappers."""
-    return make_cpu_nonspec_wrapper(native)

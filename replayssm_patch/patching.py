@@ -74,7 +74,7 @@ def _install(platform: str) -> None:
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as qwen_mod
 
     from . import intercept
-    from .layer import ReplayQwenGDN, make_cpu_nonspec_wrapper, make_cpu_spec_aware_wrapper
+    from .layer import ReplayQwenGDN, make_cpu_nonspec_wrapper
 
     ReplayQwenGDN._replayssm_patch = True
     qwen_mod.QwenGatedDeltaNetAttention.register_oot(ReplayQwenGDN)
@@ -90,7 +90,9 @@ def _install(platform: str) -> None:
         _swap(custom_ops, "fused_sigmoid_gating_delta_rule_update_cpu", intercept.make_cpu_update_wrapper)
         # MTP on CPU (absent from a build: ring_plan refuses speculative configs there)
         if callable(getattr(cpu_mod, "_cpu_gdn_attention_spec_aware", None)):
-            _swap(cpu_mod, "_cpu_gdn_attention_spec_aware", make_cpu_spec_aware_wrapper)
+            # same (layer, metadata, ...) call and the same ring bookkeeping as the non-spec
+            # path; its recurrence kernels (speculative and plain) go through the intercepts
+            _swap(cpu_mod, "_cpu_gdn_attention_spec_aware", make_cpu_nonspec_wrapper)
         if callable(getattr(custom_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu", None)):
             _swap(custom_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu",
                   intercept.make_cpu_spec_update_wrapper)
