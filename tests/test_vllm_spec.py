@@ -3,9 +3,9 @@
 One native and one patched process each run the same engines (`engine_runner`): MTP with T = 1,
 3 (prefills arriving while others verify: mixed batches with chunked prefills) and 7 draft
 tokens, plus a config the ring still refuses (n-gram drafts). The checkpoint is the
-tiny random-weight Qwen3.5 with one MTP layer, edited so that drafts are often but not always
-accepted (`_echo_checkpoint`): the verify windows are then committed with every accepted
-count, not just the bonus token. What is checked, per T:
+tiny random-weight Qwen3.5 with one MTP layer whose drafts are often but not always accepted
+(`build_tiny_model(..., logit_echo=ECHO, echo_drafts=True)`): the verify windows are then
+committed with every accepted count, not just the bonus token. What is checked, per T:
 
 * greedy tokens: every request identical to native, or first different where native's top-2
   logprob gap is below 0.01 (a near tie; the fp32 ring reorders sums, as in
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
@@ -42,45 +41,12 @@ ECHO = 0.4  # draft acceptance ~0.8 per position on this checkpoint: every accep
 MAX_TOKENS = 64
 
 
-def _echo_checkpoint(src, dst, lam=ECHO, seed=0):
-    """Copy of the tiny MTP checkpoint whose next token mostly follows the current one through
-    a fixed permutation pi (LM-head row pi(t) gains lam * unit embedding of t), and whose MTP
-    layer passes the embedding of its input token straight to the head (fc = [I, 0], attention
-    and MLP outputs zeroed): the draft is pi(token), which the target accepts where its own
-    context does not outweigh the echo."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    done = dst / "model.safetensors"
-    if done.exists():
-        return str(dst)
-    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    w = {k: v.float() for k, v in load_file(str(src / "model.safetensors")).items()}
-    emb = w["model.embed_tokens.weight"]
-    vocab, hidden = emb.shape
-    pi = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-    w["lm_head.weight"][pi] += lam * emb / emb.norm(dim=1, keepdim=True)
-    fc = torch.zeros(hidden, 2 * hidden)
-    fc[:, :hidden] = torch.eye(hidden)
-    w["mtp.fc.weight"] = fc
-    w["mtp.layers.0.self_attn.o_proj.weight"].zero_()
-    w["mtp.layers.0.mlp.down_proj.weight"].zero_()
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in w.items()}, str(tmp / "model.safetensors"))
-    shutil.copy(src / "config.json", tmp / "config.json")
-    try:
-        tmp.rename(dst)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(dst)
-
-
 @pytest.fixture(scope="module")
 def mtp_model():
     from replayssm_patch.testing.tiny_models import build_tiny_model
 
-    src = build_tiny_model(str(CACHE / "tiny-models"), "qwen3_5", mtp_layers=1)
-    return _echo_checkpoint(src, CACHE / "tiny-models" / f"{src.name}-echo{ECHO}")
+    return str(build_tiny_model(str(CACHE / "tiny-models"), "qwen3_5", mtp_layers=1, logit_echo=ECHO,
+                                echo_drafts=True))
 
 
 def _mtp(T, **extra):
@@ -123,7 +89,8 @@ def test_mtp_through_the_ring_matches_native(mtp_model, tmp_path):
               f"{pat['spec_decode']['num_drafts']}, per position {nat['spec_decode']['num_accepted_tokens_per_pos']}"
               f"/{pat['spec_decode']['num_accepted_tokens_per_pos']}); GDN cache bytes per request native "
               f"{nb['bytes_per_request']} ({1 + T} pages) vs ring {pb['bytes_per_request']} (one page): "
-              f"{nb['bytes_per_request'] / pb['bytes_per_request']:.2f}x less; ring {c}")
+              f"{nb['bytes_per_request'] / pb['bytes_per_request']:.2f}x less; ring {c}; "
+              f"divergences {agreement.failures}")
         for r, (a, b) in enumerate(zip(nat["requests"], pat["requests"])):
             assert len(a["tokens"]) == len(b["tokens"]), f"T={T}: request {r} length"
         assert not agreement.not_at_a_tie(TIE_GAP), f"T={T}: divergence not at a near tie"

@@ -120,7 +120,7 @@ def tiny_model_config(
 
 
 def content_key(config: dict, seed: int, init_std: float, weight_scale: dict | None = None,
-                logit_echo: float = 0.0) -> str:
+                logit_echo: float = 0.0, echo_drafts: bool = False) -> str:
     """Hash of everything that determines a checkpoint's content."""
     what = {"format": FORMAT_VERSION, "config": config, "seed": seed, "init_std": init_std}
     # the options below enter only when given, so checkpoints built without them keep their keys
@@ -128,6 +128,8 @@ def content_key(config: dict, seed: int, init_std: float, weight_scale: dict | N
         what["weight_scale"] = {k: float(v) for k, v in weight_scale.items()}
     if logit_echo:
         what["logit_echo"] = float(logit_echo)
+    if echo_drafts:
+        what["echo_drafts"] = True
     blob = json.dumps(what, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -142,6 +144,7 @@ def build_tiny_model(
     init_std: float = 0.02,
     weight_scale: dict[str, float] | None = None,
     logit_echo: float = 0.0,
+    echo_drafts: bool = False,
     **config_overrides: Any,
 ) -> Path:
     """Write (or reuse) a tiny random-weight checkpoint under `out_dir`; returns its directory.
@@ -156,11 +159,16 @@ def build_tiny_model(
     model's logits are decisive, and the context (attention, MLP, GDN state) decides the
     steps where another token competes. Random weights alone give near-flat logits (near
     ties at ~10% of steps), so greedy tokens flip at the slightest numeric difference.
+    `echo_drafts` (with `mtp_layers` and `logit_echo`) makes the MTP head draft pi(token): its
+    fc passes the token's embedding straight through ([I, 0]) and its layers' attention and MLP
+    outputs are zeroed, so drafts are accepted where the context does not outweigh the echo.
     `DECISIVE` holds the measured settings (the Qwen3.5 checkpoint of the vLLM integration tests;
     their MODEL_SPECS give the other models' per-architecture factors).
     """
     config = tiny_model_config(arch, gdn_head_dim=gdn_head_dim, mtp_layers=mtp_layers, **config_overrides)
-    key = content_key(config, seed, init_std, weight_scale, logit_echo)
+    if echo_drafts and not (mtp_layers and logit_echo):
+        raise ValueError("echo_drafts needs mtp_layers > 0 and logit_echo > 0")
+    key = content_key(config, seed, init_std, weight_scale, logit_echo, echo_drafts)
     name = f"{arch}-gdn{gdn_head_dim}" + (f"-mtp{mtp_layers}" if mtp_layers else "") + f"-{key}"
     root = Path(out_dir)
     target = root / name
@@ -169,10 +177,10 @@ def build_tiny_model(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        _write_checkpoint(tmp, config, seed, init_std, weight_scale or {}, logit_echo)
+        _write_checkpoint(tmp, config, seed, init_std, weight_scale or {}, logit_echo, echo_drafts)
         (tmp / _DONE).write_text(json.dumps({"key": key, "seed": seed, "init_std": init_std,
                                              "weight_scale": weight_scale or {},
-                                             "logit_echo": logit_echo}) + "\n")
+                                             "logit_echo": logit_echo, "echo_drafts": echo_drafts}) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is not secret
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -196,7 +204,7 @@ def _is_complete(path: Path, key: str) -> bool:
 
 
 def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weight_scale: dict,
-                      logit_echo: float = 0.0) -> None:
+                      logit_echo: float = 0.0, echo_drafts: bool = False) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -223,6 +231,14 @@ def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weig
         head = head.clone()
         head[perm] += logit_echo * emb / emb.norm(dim=-1, keepdim=True)
         state["lm_head.weight"] = head
+    if echo_drafts:
+        hidden = config["hidden_size"]
+        fc = torch.zeros(hidden, 2 * hidden)
+        fc[:, :hidden] = torch.eye(hidden)
+        state["mtp.fc.weight"] = fc
+        for k in state:
+            if k.startswith("mtp.layers.") and k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                state[k] = torch.zeros_like(state[k])
     tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with open(path / "config.json", "w") as f:
