@@ -36,7 +36,7 @@ bandwidth: latency-bound. The two-phase main kernel with 8-row tiles needs 80 re
 occupancy) but is then issue-bound (SM throughput 74%, DRAM 43%): per state element it does
 what native does minus the rank-1 update, yet over half the bytes. Hence with an fp32 state we
 win clearly (bytes dominate) and with a 16-bit state by less. See
-benchmarks/results/kernel_decode.md.
+benchmarks/results/kernel_decode.md and ncu_decode_b512_fp16.txt there.
 
 The cursor race (fused form). Every program of a row needs the row's cursor n, and the new cursor may only
 be written after all of them have read it. Triton has no grid-wide barrier, so the read itself
