@@ -6,7 +6,9 @@
 #
 #   bash benchmarks/gpu_run.sh stage           # copy whatever of .bundle/ travelled to /tmp/bundle
 #   bash benchmarks/gpu_run.sh install         # unpack vLLM into /tmp/vllm-site, install this project
-#   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first)
+#   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first);
+#     agree: e2e_agreement.py twice (decisive checkpoint, fp32 SSM state, native control on),
+#     bf16 then fp32 activations, to $OUT/e2e_agreement_decisive_{bf16act,fp32act}.json + logs
 #   bash benchmarks/gpu_run.sh rollout         # examples/grpo_rollout.py twice (needs install): CUDA
 #     graphs, poisoned rings, 3 rounds, llm.sleep(level=1) then (second run) level 2, and
 #     llm.wake_up() before each weight reload; summaries to $OUT/grpo_sleep1.json, grpo_sleep2.json
@@ -35,9 +37,15 @@ case "${1:?step}" in
     python3 -c "import vllm, replayssm_patch, importlib.metadata as m; print('vllm', vllm.__version__); print([e.name for e in m.entry_points(group='vllm.general_plugins')])" ;;
   smoke)
     python3 benchmarks/e2e_agreement.py --out "$OUT/smoke.json" --requests 4 --tokens 48 --states float32 --no-control --workdir /tmp/smoke 2>&1 | tail -20 ;;
-  agree)
-    python3 benchmarks/e2e_agreement.py --out "$OUT/e2e_agreement.json" --workdir /tmp/agree 2>&1 | tail -20
-    cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true ;;
+  agree)  # decisive checkpoint, fp32 SSM state, with the native-vs-native control: bf16 then fp32 activations
+    rc=0  # a failed run does not stop the next one; the step fails at the end
+    for run in "decisive_bf16act bfloat16" "decisive_fp32act float32"; do
+      read -r tag dtype <<< "$run"
+      python3 benchmarks/e2e_agreement.py --tag "$tag" --out "$OUT/e2e_agreement_$tag.json" --workdir /tmp/agree \
+        --checkpoint decisive --states float32 --model-dtype "$dtype" 2>&1 | tail -20 || rc=1
+    done
+    cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true
+    exit $rc ;;
   e2e)
     shift; python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode.json" --kernel-json benchmarks/results/kernel_decode.json "$@" 2>&1 | tail -40 ;;
   rollout)
