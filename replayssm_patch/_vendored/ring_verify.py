@@ -77,7 +77,8 @@ from .gdn_gates import gdn_beta, gdn_log_decay
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
 from .ring_reference import CURSOR_FIELD_MASK, pack_cursor, unpack_cursor  # noqa: F401 (re-exported)
 
-__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config", "MODES"]
+__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config", "MODES",
+           "DOT_PRECISIONS", "DEFAULT_DOT_PRECISION"]
 
 _FIELD_MASK = CURSOR_FIELD_MASK  # n and the pending length: 8 bits each (the kernels spell 0xFF / 8)
 
@@ -248,18 +249,101 @@ def _ring_verify_kernel(
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _ring_verify_block_kernel(
-    qkv, a, b, A_log, dt_bias, out, state, idx, cu, acc,
-    ring_d, ring_k, ring_g, cursor,
+def _ring_verify_prep_kernel(
+    qkv, a, b, A_log, dt_bias, idx, cu, acc, ring_k, cursor, gram,
     scale,
-    stride_qkv, stride_a, stride_b, stride_idx, stride_acc,
+    stride_qkv, stride_a, stride_b, stride_idx, stride_acc, slot_stride_k,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr,
+    MAXT: tl.constexpr, HAS_ACC: tl.constexpr, L2NORM: tl.constexpr,
+):
+    # Program = (row, key head): everything per token that the key head's value heads and value
+    # blocks share, computed once. Row t of gram[row, i_h] (RW floats):
+    #   [q_t.k_j (LP) | k_t.k_j (LP) | q_t.k_u (WP) | k_t.k_u (WP) | q scale, k scale, pad |
+    #    alpha_t per value head of the group (GP) | beta_t per value head (GP)]
+    # with q_t, k_t normalised (q scale = scale / |q_t|, k scale = 1 / |k_t| multiply the raw
+    # vectors), j over the committed entries the verify replays, u over the window.
+    pid = tl.program_id(0)
+    i_h = pid % H
+    row = (pid // H).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_w = tl.arange(0, WP)
+    o_l = tl.arange(0, LP)
+    m_k = o_k < K
+
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
+    if slot <= 0:
+        return
+    lo = tl.load(cu + row).to(tl.int64)
+    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
+    W = tl.minimum(tl.maximum(W, 0), MAXT)
+    m_w = o_w < W
+    tok = lo + o_w
+
+    # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
+    word = tl.load(cursor + slot)
+    n = word & 0xFF
+    pend = (word >> 8) & 0xFF
+    if HAS_ACC:
+        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
+        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
+    n = tl.minimum(n, L)
+    n_w = tl.where(n + W > L, 0, n)  # committed entries the verify replays (none after a flush)
+
+    p_x = qkv + tok[:, None] * stride_qkv
+    Kt = tl.load(p_x + H * K + i_h * K + o_k[None, :], mask=m_w[:, None] & m_k[None, :],
+                 other=0.0).to(tl.float32)
+    if L2NORM:
+        Kt = Kt / tl.sqrt(tl.sum(Kt * Kt, 1) + 1e-6)[:, None]
+    rk = tl.load(ring_k + slot * slot_stride_k + i_h * (L * K) + o_l[:, None] * K + o_k[None, :],
+                 mask=(o_l < n_w)[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [LP, BK]
+    GROUP: tl.constexpr = HV // H
+    o_g = tl.arange(0, GP)
+    m_g = o_g < GROUP
+    hvs = i_h * GROUP + o_g
+    A_g = tl.load(A_log + hvs, mask=m_g, other=0.0).to(tl.float32)
+    dtb_g = tl.load(dt_bias + hvs, mask=m_g, other=0.0).to(tl.float32)
+    X0: tl.constexpr = 2 * LP + 2 * WP  # where the per-token scalars start
+    # One token at a time as fp32 mat-vecs (tl.dot on these small tiles needs far more
+    # registers than the work is worth).
+    p_g = gram + (row * H + i_h) * (WP * RW)
+    for t in range(0, W):
+        tt = lo + t
+        p_t = qkv + tt * stride_qkv + i_h * K + o_k
+        q_t = tl.load(p_t, mask=m_k, other=0.0).to(tl.float32)
+        k_t = tl.load(p_t + H * K, mask=m_k, other=0.0).to(tl.float32)
+        sq = scale
+        sk = 1.0
+        if L2NORM:
+            sq = scale / tl.sqrt(tl.sum(q_t * q_t) + 1e-6)
+            sk = 1.0 / tl.sqrt(tl.sum(k_t * k_t) + 1e-6)
+        q_t = q_t * sq
+        k_t = k_t * sk
+        row_g = p_g + t * RW
+        tl.store(row_g + o_l, tl.sum(rk * q_t[None, :], 1))
+        tl.store(row_g + LP + o_l, tl.sum(rk * k_t[None, :], 1))
+        tl.store(row_g + 2 * LP + o_w, tl.sum(Kt * q_t[None, :], 1))
+        tl.store(row_g + 2 * LP + WP + o_w, tl.sum(Kt * k_t[None, :], 1))
+        tl.store(row_g + X0, sq)
+        tl.store(row_g + X0 + 1, sk)
+        a_g = tl.load(a + tt * stride_a + hvs, mask=m_g, other=0.0).to(tl.float32)
+        b_g = tl.load(b + tt * stride_b + hvs, mask=m_g, other=0.0).to(tl.float32)
+        tl.store(row_g + X0 + 2 + o_g, tl.exp(gdn_log_decay(a_g, A_g, dtb_g)))
+        tl.store(row_g + X0 + 2 + GP + o_g, gdn_beta(b_g))
+
+
+@triton.jit
+def _ring_verify_block_kernel(
+    qkv, out, state, idx, cu, acc,
+    ring_d, ring_k, ring_g, cursor, gram,
+    stride_qkv, stride_idx, stride_acc,
     slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
-    NV: tl.constexpr, HAS_ACC: tl.constexpr, L2NORM: tl.constexpr,
+    NV: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, HAS_ACC: tl.constexpr,
 ):
     # Program order: value block fastest, then value head, then row, so the GROUP * NV programs
-    # of one (row, key head) run next to each other and share q, k and ring-key loads in L2.
+    # of one (row, key head) run next to each other and share q, k and gram loads in L2.
     pid = tl.program_id(0)
     jv = pid % NV
     hv = (pid // NV) % HV
@@ -288,20 +372,6 @@ def _ring_verify_block_kernel(
                  mask=m_w[:, None] & m_v[None, :])
         return
 
-    # Tokens' q, k (this value head's key head, normalised) and v (this block's rows), loaded
-    # once: [WP, BK] and [WP, BV]. They come from the inputs: the ring positions the window's
-    # keys go to are written by the finish kernel, never read here.
-    p_x = qkv + tok[:, None] * stride_qkv
-    m_wk = m_w[:, None] & m_k[None, :]
-    Q = tl.load(p_x + i_h * K + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
-    Kt = tl.load(p_x + H * K + i_h * K + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
-    Vt = tl.load(p_x + 2 * H * K + hv * V + o_v[None, :], mask=m_w[:, None] & m_v[None, :],
-                 other=0.0).to(tl.float32)
-    if L2NORM:
-        Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None]
-        Kt = Kt / tl.sqrt(tl.sum(Kt * Kt, 1) + 1e-6)[:, None]
-    Q = Q * scale
-
     # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
     word = tl.load(cursor + slot)
     n = word & 0xFF
@@ -313,71 +383,76 @@ def _ring_verify_block_kernel(
     flush = n + W > L
     n_w = tl.where(flush, 0, n)
     live = o_l < n
-    live_v = live & ((o_l * 0 + n_w) > 0)  # committed entries the verify replays (none after a flush)
+    live_v = o_l < n_w  # committed entries the verify replays (none after a flush)
 
-    A_t = tl.load(A_log + hv).to(tl.float32)
-    dtb = tl.load(dt_bias + hv).to(tl.float32)
-    a_t = tl.load(a + tok * stride_a + hv, mask=m_w, other=0.0).to(tl.float32)
-    b_t = tl.load(b + tok * stride_b + hv, mask=m_w, other=0.0).to(tl.float32)
-    g = tl.where(m_w, gdn_log_decay(a_t, A_t, dtb), 0.0)
-    beta = gdn_beta(b_t)
     Gc = tl.load(ring_g + slot * slot_stride_g + hv * L + o_l, mask=live, other=0.0)
     G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
-    Gam = tl.where(flush, 0.0, G_n) + tl.cumsum(g, 0)  # [WP]
 
-    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
-    rk = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
-    rk = rk.to(tl.float32)  # [LP, BK]
-    m_vk = m_v[:, None] & m_k[None, :]
-    p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-    S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)  # [BV, BK]
+    # The checkpoint tile as [BK, BV] (as vLLM's native kernel holds it): every product below
+    # reduces over axis 0 and yields a vector over this program's value rows.
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[None, :] * K + o_k[:, None]
+    S = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
     p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
-    rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live_v[:, None] & m_v[None, :], other=0.0)
-    rd = rd.to(tl.float32)  # [LP, BV]; zero when flushing (the flush reloads its entries)
     if flush:
-        # S_c <- exp(G_n) S_c + sum_j exp(G_n - G_j) d_j k_j^T on this program's rows (rank-1
+        # S_c <- exp(G_n) S_c + sum_j exp(G_n - G_j) k_j d_j^T on this program's rows (rank-1
         # fp32 updates, as ring_decode's flush), stored in the state dtype; the verify
         # continues from the stored (rounded) checkpoint.
+        p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
         S = S * tl.exp(G_n)
         for j in range(0, n):
             w_j = tl.exp(G_n - tl.sum(tl.where(o_l == j, Gc, 0.0)))
             d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            S += (w_j * d_j)[:, None] * k_j[None, :]
+            S += k_j[:, None] * (w_j * d_j)[None, :]
         S = S.to(state.dtype.element_ty)
-        tl.store(p_s, S, mask=m_vk)
+        tl.store(p_s, S, mask=m_kv)
         S = S.to(tl.float32)
         tl.debug_barrier()  # every lane has read the d entries the window overwrites
+    rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live_v[:, None] & m_v[None, :], other=0.0)
+    rd = rd.to(tl.float32)  # [LP, BV]
 
-    # Token by token (d_t depends on d_u, u < t), every product a mat-vec in fp32:
-    #   S_{t} x = exp(Gam_t) S_c x + sum_{j<n} exp(Gam_t - G_j) d_j (k_j . x)
-    #                              + sum_{u<t} exp(Gam_t - Gam_u) d_u (k_u . x)
+    # Token by token (d_t depends on d_u, u < t), the key-side dot products from gram:
+    #   S_{t-1} x = e_t S_c x + sum_{j<n} wc_j d_j (k_j . x) + sum_{u<t} ww_u d_u (k_u . x)
+    # (x = q_t or k_t, the decay of token t folded in as the recurrence's alpha_t S_{t-1}) with
+    # running weights e_t = exp(Gamma_t), wc_j = exp(Gamma_t - G_j), ww_u = exp(Gamma_t - Gamma_u),
+    # each step multiplied by alpha_t = exp(g_t).
+    e_t = tl.exp(tl.where(flush, 0.0, G_n))
+    wc = tl.where(live_v, tl.exp(tl.where(flush, 0.0, G_n) - Gc), 0.0)  # [LP]
+    ww = tl.zeros([WP], dtype=tl.float32)
     Dw = tl.zeros([WP, BV], dtype=tl.float32)  # window entries d_u (rows u < t set)
+    p_gr = gram + (row * H + i_h) * (WP * RW)
+    X0: tl.constexpr = 2 * LP + 2 * WP
+    i_g = hv % GROUP
+    p_q = qkv + i_h * K + o_k
+    p_k = qkv + H * K + i_h * K + o_k
+    p_v = qkv + 2 * H * K + hv * V + o_v
     p_o = out + hv * V + o_v
     for t in range(0, W):
-        sel = o_w == t
-        q_t = tl.sum(tl.where(sel[:, None], Q, 0.0), 0)  # [BK]
-        k_t = tl.sum(tl.where(sel[:, None], Kt, 0.0), 0)
-        v_t = tl.sum(tl.where(sel[:, None], Vt, 0.0), 0)  # [BV]
-        gam_t = tl.sum(tl.where(sel, Gam, 0.0))
-        beta_t = tl.sum(tl.where(sel, beta, 0.0))
-        # entries past the cursor / later tokens may hold anything: select, never multiply by 0
-        wc = tl.where(live_v, tl.exp(gam_t - Gc), 0.0)  # [LP]
-        ww = tl.where(o_w < t, tl.exp(gam_t - Gam), 0.0)  # [WP]
-        cq = wc * tl.sum(rk * q_t[None, :], 1)
-        ck = wc * tl.sum(rk * k_t[None, :], 1)
-        wq = ww * tl.sum(Kt * q_t[None, :], 1)
-        wk = ww * tl.sum(Kt * k_t[None, :], 1)
-        e_t = tl.exp(gam_t)
-        sq = e_t * tl.sum(S * q_t[None, :], 1) + tl.sum(rd * cq[:, None], 0) + tl.sum(Dw * wq[:, None], 0)
-        sk = e_t * tl.sum(S * k_t[None, :], 1) + tl.sum(rd * ck[:, None], 0) + tl.sum(Dw * wk[:, None], 0)
-        d = beta_t * (v_t - sk)
-        o = sq + d * tl.sum(k_t * q_t)
         tt = lo + t
+        row_g = p_gr + t * RW
+        q_t = tl.load(p_q + tt * stride_qkv, mask=m_k, other=0.0).to(tl.float32) * tl.load(row_g + X0)
+        k_t = tl.load(p_k + tt * stride_qkv, mask=m_k, other=0.0).to(tl.float32) * tl.load(row_g + X0 + 1)
+        v_t = tl.load(p_v + tt * stride_qkv, mask=m_v, other=0.0).to(tl.float32)
+        alpha = tl.load(row_g + X0 + 2 + i_g)
+        beta_t = tl.load(row_g + X0 + 2 + GP + i_g)
+        e_t = e_t * alpha
+        wc = wc * alpha
+        ww = ww * alpha
+        cq = wc * tl.load(row_g + o_l)
+        ck = wc * tl.load(row_g + LP + o_l)
+        wq = ww * tl.load(row_g + 2 * LP + o_w)
+        wk = ww * tl.load(row_g + 2 * LP + WP + o_w)
+        kq_t = tl.load(row_g + 2 * LP + t)  # q_t . k_t
+        sq = e_t * tl.sum(S * q_t[:, None], 0) + tl.sum(rd * cq[:, None], 0) + tl.sum(Dw * wq[:, None], 0)
+        sk = e_t * tl.sum(S * k_t[:, None], 0) + tl.sum(rd * ck[:, None], 0) + tl.sum(Dw * wk[:, None], 0)
+        d = beta_t * (v_t - sk)
+        o = sq + d * kq_t
         tl.store(p_o + tt * (HV * V), o.to(out.dtype.element_ty), mask=m_v)
         tl.store(p_dr + (n_w + t) * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
         # later tokens use d unrounded, as the sequential recurrence does
-        Dw = tl.where(sel[:, None], d[None, :], Dw)
+        Dw = tl.where((o_w == t)[:, None], d[None, :], Dw)
+        ww = tl.where(o_w == t, 1.0, ww)
 
 
 @triton.jit
@@ -468,6 +543,8 @@ def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
 # --------------------------------------------------------------------------------------------
 
 MODES = ("parallel", "serial")
+DOT_PRECISIONS = ("ieee", "tf32x3")
+DEFAULT_DOT_PRECISION = "tf32x3"
 
 
 def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tuple[int, int]:
@@ -511,6 +588,7 @@ def ring_verify(
     *,
     config: tuple[int, int] | None = None,
     mode: str | None = None,
+    dot_precision: str | None = None,
 ) -> torch.Tensor:
     """One speculative step through the ring (semantics of `ring_spec_verify_reference`).
 
@@ -525,7 +603,10 @@ def ring_verify(
     BV value rows), then a finish kernel per (row, key head)) or "serial" (one kernel, one
     program per (row, key head)); both have the same semantics.
     `config` = (BV, num_warps) overrides the default launch configuration (of the main kernel
-    in the parallel form).
+    in the parallel form). `dot_precision` ("ieee" or "tf32x3", parallel form only; default
+    `DEFAULT_DOT_PRECISION`) is how the main kernel's fp32 matrix products run: "ieee" on the
+    FMA units, "tf32x3" on the tensor cores with three TF32 products per fp32 product (about
+    fp32 accuracy).
     Returns `out` viewed as [tokens, HV, V].
     """
     H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, _FIELD_MASK)
@@ -545,6 +626,9 @@ def ring_verify(
     mode = "parallel" if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+    dot_precision = DEFAULT_DOT_PRECISION if dot_precision is None else dot_precision
+    if dot_precision not in DOT_PRECISIONS:
+        raise ValueError(f"dot_precision must be one of {DOT_PRECISIONS} (got {dot_precision!r})")
     dev = state.device
     check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
                  state_indices=state_indices, cu_seqlens=cu_seqlens)
@@ -559,15 +643,27 @@ def ring_verify(
     WP = max(16, triton.next_power_of_2(max_tokens))
     acc_arg = acc if acc is not None else state_indices
     if mode == "parallel":
+        # Key-side dot products per (row, key head), in a scratch that under CUDA-graph capture
+        # comes from the graph's memory pool.
+        GP = triton.next_power_of_2(HV // H)
+        RW = 2 * LP + 2 * WP + triton.next_power_of_2(2 + 2 * GP)  # gram row (see the prep kernel)
+        gram = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
+        _ring_verify_prep_kernel[(N * H,)](
+            mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, acc_arg, ring_k, cursor, gram,
+            float(scale),
+            mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc, sk,
+            H=H, HV=HV, K=K, L=L, BK=BK, LP=LP, WP=WP, GP=GP, RW=RW, MAXT=max_tokens,
+            HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
+            num_warps=4, num_stages=1,
+        )
         NV = triton.cdiv(V, BV)
         _ring_verify_block_kernel[(N * HV * NV,)](
-            mixed_qkv, a, b, A_log, dt_bias, out, state, state_indices, cu_seqlens, acc_arg,
-            ring_d, ring_k, ring_g, cursor,
-            float(scale),
-            mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc,
+            mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
+            ring_d, ring_k, ring_g, cursor, gram,
+            mixed_qkv.stride(0), state_indices.stride(0), s_acc,
             ss, sd, sk, sg,
             H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
-            HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
+            GP=GP, RW=RW, HAS_ACC=acc is not None,
             num_warps=num_warps, num_stages=1,
         )
         # Same stream, after the main kernel: the shared keys, gates and cursor words.
