@@ -70,9 +70,7 @@ REPLAYS = 15
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 32
 PARALLEL_CONFIG = None  # (BV, num_warps) for the parallel form; None: ring_verify's default
-DOT_PRECISION = None  # the parallel form's dot_precision; None: ring_verify's default
 SWEEP_CONFIGS = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
-SWEEP_PRECISIONS = ("tf32x3",)  # "ieee" measured 0.03-0.11x native (H200, 2026-11-29): FMA-unit dots
 SWEEP_CELLS = [(8, 256), (8, 64), (4, 16)]  # (T, batch)
 CONV_KERNEL = 4
 NATIVE_FILE = os.path.join("vllm", "third_party", "flash_linear_attention", "ops", "fused_sigmoid_gating.py")
@@ -166,8 +164,7 @@ class Layer:
 
         ring_verify(self.qkv, self.a, self.b, self.A_log, self.dt_bias, self.kd ** -0.5, self.state, self.out,
                     self.idx, self.cu, self.ring_d, self.ring_k, self.ring_g, self.cursor, acc, self.W,
-                    mode=mode, config=PARALLEL_CONFIG if mode in (None, "parallel") else None,
-                    dot_precision=DOT_PRECISION if mode in (None, "parallel") else None)
+                    mode=mode, config=PARALLEL_CONFIG if mode in (None, "parallel") else None)
         return self.out
 
     def native(self, fn, acc):
@@ -302,9 +299,9 @@ def time_cell(native_fn, B, T, dev):
 
 
 def sweep(native_fn, dev, out_dir):
-    """Launch configurations x dot precisions of the parallel form at a few cells, native in the
+    """Launch configurations (BV, num_warps) of the parallel form at a few cells, native in the
     same graphs' rotation; prints one line per variant and writes kernel_spec_sweep.json."""
-    global PARALLEL_CONFIG, DOT_PRECISION
+    global PARALLEL_CONFIG
     rows = []
     for T, B in SWEEP_CELLS:
         gen = torch.Generator(device=dev).manual_seed(B * 100 + T)
@@ -321,18 +318,17 @@ def sweep(native_fn, dev, out_dir):
 
         graphs = {"native": (_capture(run_native), nl_n)}
         for cfg in SWEEP_CONFIGS:
-            for prec in SWEEP_PRECISIONS:
-                PARALLEL_CONFIG, DOT_PRECISION = cfg, prec
+            PARALLEL_CONFIG = cfg
 
-                def run_ours():
-                    for acc in acc_u:
-                        for lay in ours:
-                            lay.ours(acc)
-                try:
-                    graphs[(cfg, prec)] = (_capture(run_ours), nl_o)
-                except Exception as e:  # a config that does not compile is reported, not fatal
-                    print(f"T={T} B={B} {cfg} {prec}: failed: {e!r}"[:300], flush=True)
-        PARALLEL_CONFIG = DOT_PRECISION = None
+            def run_ours():
+                for acc in acc_u:
+                    for lay in ours:
+                        lay.ours(acc)
+            try:
+                graphs[cfg] = (_capture(run_ours), nl_o)
+            except Exception as e:  # a config that does not compile is reported, not fatal
+                print(f"T={T} B={B} {cfg}: failed: {e!r}"[:300], flush=True)
+        PARALLEL_CONFIG = None
         for g, _ in graphs.values():
             g.replay()
         torch.cuda.synchronize()
@@ -350,7 +346,7 @@ def sweep(native_fn, dev, out_dir):
             if key == "native":
                 continue
             us = statistics.median(v)
-            row = {"T": T, "B": B, "config": list(key[0]), "dot_precision": key[1], "us_ours": us,
+            row = {"T": T, "B": B, "config": list(key), "us_ours": us,
                    "us_native": us_nat, "speedup": us_nat / us}
             rows.append(row)
             print(json.dumps({k: (round(x, 2) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
@@ -437,15 +433,12 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1")
     ap.add_argument("--parallel-config", default=None, metavar="BV,WARPS",
                     help="launch config of the parallel form (default: ring_verify's)")
-    ap.add_argument("--dot-precision", default=None, choices=["ieee", "tf32x3"],
-                    help="dot precision of the parallel form (default: ring_verify's)")
     ap.add_argument("--sweep", action="store_true",
-                    help="time the parallel form's launch configs x dot precisions at a few cells, then stop")
+                    help="time the parallel form's launch configs at a few cells, then stop")
     args = ap.parse_args(argv)
-    global PARALLEL_CONFIG, DOT_PRECISION
+    global PARALLEL_CONFIG
     if args.parallel_config:
         PARALLEL_CONFIG = tuple(int(x) for x in args.parallel_config.split(","))
-    DOT_PRECISION = args.dot_precision
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment")
     native_fn, info = load_native(args.vllm_root)
@@ -480,7 +473,6 @@ def main(argv=None):
                                   "activations": "bf16", "ring": str(RING_DTYPE).replace("torch.", "")},
         "steps_per_graph": STEPS, "replays": REPLAYS, "sanity_rel_diff": err, "sanity_rel_diff_serial": err_s,
         "cells": cells, "default_mode": "parallel", "parallel_config": PARALLEL_CONFIG,
-        "dot_precision": DOT_PRECISION,
         "summary": {"speedup_b256_t8": pick["speedup"], "speedup_b256_t8_all_accepted": pick["speedup_all_accepted"],
                     "speedup_b256_t8_serial": pick["speedup_serial"], **cache_summary()},
         "seconds": round(time.time() - t0, 1),

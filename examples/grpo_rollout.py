@@ -29,6 +29,7 @@ engine is created; if unsloth-zoo's own GDN ReplaySSM backport is enabled
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -60,7 +61,8 @@ def engine_options(args, cuda: bool) -> dict:
     else:
         opts["enforce_eager"] = True
     if cuda:  # as benchmarks/e2e_agreement.py sets them for the H200 bundle
-        opts.update(attention_backend="TRITON_ATTN", gdn_prefill_backend="triton", gpu_memory_utilization=0.3)
+        opts.update(attention_backend="TRITON_ATTN", gdn_prefill_backend="triton", gpu_memory_utilization=0.3,
+                    mamba_ssm_cache_dtype="float32")  # Qwen3.5's default SSM state; 16-bit states stay native on CUDA
     if args.sleep_level:
         opts["enable_sleep_mode"] = True
     return opts
@@ -78,6 +80,7 @@ def arm(args) -> None:
 
         assert replayssm_patch.patch(ring_len=args.ring_len, strict=True)["applied"]
     import torch
+    import vllm
     from vllm import LLM, SamplingParams
 
     cuda = torch.cuda.is_available()
@@ -113,7 +116,9 @@ def arm(args) -> None:
         status = replayssm_patch.status()["counters"]
     print("RESULT_JSON " + json.dumps({"rounds": rounds, "counters": status, "weight_checksums": checksums,
                                        "sleep_wake": sleeps,
-                                       "device": torch.cuda.get_device_name(0) if cuda else "cpu"}))
+                                       "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+                                       "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+                                       "ssm_state": engine_options(args, cuda).get("mamba_ssm_cache_dtype", "auto")}))
 
 
 def main() -> int:
@@ -195,7 +200,10 @@ def main() -> int:
     summary = {"options": {"sleep_level": args.sleep_level, "graphs": args.graphs, "model_dtype": args.model_dtype,
                            "poison": args.poison, "rounds": args.rounds, "prompts": args.prompts,
                            "samples": args.samples, "tokens": args.tokens, "ring_len": args.ring_len},
-               "device": res["patched"]["device"], "command": " ".join(sys.argv), "rounds": per_round,
+               "device": res["patched"]["device"], "versions": res["patched"].get("versions"),
+               "ssm_state": res["patched"].get("ssm_state"),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": " ".join(sys.argv), "rounds": per_round,
                "identical_fraction_worst_round": min((x["identical_fraction"] for x in per_round), default=1.0),
                "native": res["native"], "patched": res["patched"]}
     print("SUMMARY_JSON " + json.dumps(summary))

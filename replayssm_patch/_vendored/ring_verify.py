@@ -17,16 +17,22 @@ bonus token and the drafts; any count up to `max_tokens`, zero allowed). Per row
 
 Two launch forms (`mode`), same semantics, same call:
 
-* "parallel" (default): a main kernel with one program per (row, value head, block of BV value
-  rows) -- batch x HV x V/BV programs, as vLLM's native spec kernel -- then a finish kernel per
-  (row, key head). Rows of the state are independent given k, q and the gates, so each main
-  program runs the row's whole window for its BV rows: it reads the committed ring d entries
-  of its own rows and the shared ring keys / gates, folds into its own checkpoint rows on a
-  flush, and writes its outputs and its own columns of the window's d entries. It never writes
-  what its siblings read: the window's keys (per key head), cumulative gates (per value head)
-  and the new cursor word are written by the finish kernel, launched after it on the same
-  stream, which recomputes them from the inputs (q/k normalisation and gating are cheap). The
-  main kernel reads the cursor word with a plain load (nothing writes it during that launch).
+* "parallel" (default): three launches on one stream.
+  1. prep, per (row, key head): everything per token that the key head's value heads and value
+     blocks share -- the q/k normalisation factors, the dot products of q_t and k_t with the
+     committed keys the verify replays (k_j . q_t, k_j . k_t) and with the window's keys
+     (k_u . q_t, k_u . k_t), and the gates alpha_t, beta_t of each value head of the group --
+     into a small fp32 scratch (`gram`, [rows, H, WP, row width]).
+  2. main, per (row, value head, block of BV value rows) -- batch x HV x V/BV programs of one
+     warp, as vLLM's native spec kernel: rows of the state are independent given those
+     numbers, so each program runs the row's whole window for its BV rows with the checkpoint
+     tile held as [K, BV] (native's layout), folds the committed entries into its own
+     checkpoint rows on a flush, and writes its outputs and its own columns of the window's d
+     entries. It never writes what its siblings read.
+  3. finish, per (row, key head): the window's keys (per key head), cumulative gates (per
+     value head) and the new cursor word, recomputed from the inputs.
+  Prep and main read the cursor word with a plain load (nothing writes it before finish); the
+  kernel boundaries order every shared read before the write, so no atomics are needed there.
 * "serial": one kernel, one program per (row, key head) looping over the key head's value
   heads and value blocks, so one program owns every ring entry it reads and writes (only
   batch x H programs: 7-14x slower than native on an H200; kept for comparison).
@@ -38,8 +44,8 @@ the serial kernel's, the parallel form's finish kernel's -- reads it with one at
 1 << 16, the last of the row's H programs writes the new word with an exchange).
 A slot with p == 0 holds the plain entry count that `ring_decode` and `ring_materialize` use;
 a slot with a pending window must go through `ring_commit` (or this kernel) before those see
-it. Commit, verify and the window bookkeeping thus need no host sync and no extra buffer, and
-the launch is CUDA-graph safe (everything it reads is a tensor; only the shapes and
+it. Commit, verify and the window bookkeeping thus need no host sync and no extra persistent
+buffer, and the launch is CUDA-graph safe (everything it reads is a tensor; only the shapes and
 `max_tokens` are baked in).
 
 How the tokens are computed (per value head and block of BV value rows: a program of the
@@ -57,10 +63,14 @@ u < t):
 
 The serial kernel forms S_c q_t, S_c k_t and the committed entries' part for all tokens at once
 as tl.dot products (fp32, input_precision="ieee", never tf32) and applies the window's own
-entries token by token; a flush is one [BV, n] x [n, K] product. The parallel main kernel does
-every product as an fp32 mat-vec per token (S_c x, k_j . x, k_u . x for x in {q_t, k_t}) and a
-flush as rank-1 updates, as ring_decode does (there a tl.dot spilled registers). Both
-store the flushed tile in the state dtype and continue from the stored (rounded) checkpoint.
+entries token by token; a flush is one [BV, n] x [n, K] product. The parallel main kernel works
+token by token in fp32 mat-vecs (S_c x from the tile, the key-side dot products from prep),
+with running weights: exp(Gamma_t), exp(Gamma_t - G_j) and exp(Gamma_t - Gamma_u) are each
+multiplied by alpha_t per step instead of recomputed; a flush is rank-1 updates, as in
+ring_decode. (tl.dot forms of the parallel kernels, fp32 "ieee" or "tf32x3", measured
+0.03-0.62x native on an H200: small tiles cost up to 255 registers and 1 block per SM.) Both
+forms store the flushed tile in the state dtype and continue from the stored (rounded)
+checkpoint.
 
 Requirements: the valid rows of one launch name distinct slots (vLLM guarantees this);
 1 <= max_tokens <= L <= 255; each row has at most `max_tokens` tokens (the launcher cannot
@@ -77,8 +87,7 @@ from .gdn_gates import gdn_beta, gdn_log_decay
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
 from .ring_reference import CURSOR_FIELD_MASK, pack_cursor, unpack_cursor  # noqa: F401 (re-exported)
 
-__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config", "MODES",
-           "DOT_PRECISIONS", "DEFAULT_DOT_PRECISION"]
+__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config", "MODES"]
 
 _FIELD_MASK = CURSOR_FIELD_MASK  # n and the pending length: 8 bits each (the kernels spell 0xFF / 8)
 
@@ -543,8 +552,6 @@ def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
 # --------------------------------------------------------------------------------------------
 
 MODES = ("parallel", "serial")
-DOT_PRECISIONS = ("ieee", "tf32x3")
-DEFAULT_DOT_PRECISION = "tf32x3"
 
 
 def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tuple[int, int]:
@@ -552,6 +559,10 @@ def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tup
     step in the serial form) and warps per program."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+    if mode == "parallel":
+        # one warp per 16 value rows, as native's many small programs: the fastest of 6 configs
+        # at every (T, batch) measured on an H200 (benchmarks/results/kernel_spec_sweep.md)
+        return 16, 1
     bv = 32 if V >= 32 else max(16, triton.next_power_of_2(V))
     return bv, 4
 
@@ -588,7 +599,6 @@ def ring_verify(
     *,
     config: tuple[int, int] | None = None,
     mode: str | None = None,
-    dot_precision: str | None = None,
 ) -> torch.Tensor:
     """One speculative step through the ring (semantics of `ring_spec_verify_reference`).
 
@@ -598,15 +608,13 @@ def ring_verify(
     `cursor` holds the packed word `n | pending << 8` (see the module docstring).
     Writes `out` ([tokens, HV, V] or [tokens, 1, HV, V], contiguous) for every token of every
     row (zero for rows with slot <= 0; tokens outside every row untouched), updates state,
-    rings and cursor in place. No host sync, nothing allocated: CUDA-graph safe.
+    rings and cursor in place. No host sync; the parallel form's small scratch comes from the
+    caching allocator (under capture, from the graph's pool): CUDA-graph safe.
     `mode` picks the launch form: "parallel" (default: a main kernel per (row, value head,
     BV value rows), then a finish kernel per (row, key head)) or "serial" (one kernel, one
     program per (row, key head)); both have the same semantics.
     `config` = (BV, num_warps) overrides the default launch configuration (of the main kernel
-    in the parallel form). `dot_precision` ("ieee" or "tf32x3", parallel form only; default
-    `DEFAULT_DOT_PRECISION`) is how the main kernel's fp32 matrix products run: "ieee" on the
-    FMA units, "tf32x3" on the tensor cores with three TF32 products per fp32 product (about
-    fp32 accuracy).
+    in the parallel form).
     Returns `out` viewed as [tokens, HV, V].
     """
     H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, _FIELD_MASK)
@@ -626,9 +634,6 @@ def ring_verify(
     mode = "parallel" if mode is None else mode
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
-    dot_precision = DEFAULT_DOT_PRECISION if dot_precision is None else dot_precision
-    if dot_precision not in DOT_PRECISIONS:
-        raise ValueError(f"dot_precision must be one of {DOT_PRECISIONS} (got {dot_precision!r})")
     dev = state.device
     check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
                  state_indices=state_indices, cu_seqlens=cu_seqlens)
