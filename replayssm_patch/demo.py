@@ -137,7 +137,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from replayssm_patch.testing.agreement import compare
-    from replayssm_patch.testing.tiny_models import build_tiny_model
+    from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model
 
     p = argparse.ArgumentParser(description="native vs patched vLLM on a small random-weight Qwen3.5 model")
     p.add_argument("--requests", type=int, default=4)
@@ -146,7 +146,9 @@ def vllm_main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=os.path.join(".work", "demo"))
     a = p.parse_args(argv)
     os.makedirs(a.workdir, exist_ok=True)
-    model = str(build_tiny_model(os.path.join(a.workdir, "models"), "qwen3_5"))
+    # the integration tests' checkpoint: logits decisive enough that its GDN state decides the
+    # tokens without near ties everywhere (plain random weights give near-flat logits)
+    model = str(build_tiny_model(os.path.join(a.workdir, "models"), "qwen3_5", **DECISIVE))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 60))] for _ in range(a.requests)]
     engine = dict(load_format="safetensors", dtype="bfloat16", enforce_eager=True, max_model_len=512,
