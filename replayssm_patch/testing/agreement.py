@@ -5,6 +5,9 @@ first differing position the native top-2 logprob gap is below `tie_gap`, and ev
 token's logprob before it agrees within `logprob_tol`. At least `min_identical` of the
 requests must be fully identical (random-weight models have near ties, and the ring sums
 fp32 terms in a different order).
+
+`compare_samples` is the analogue for seeded sampling (no top-2 gap: a sample may diverge at
+any token as long as every earlier sampled token's logprob agrees within `logprob_tol`).
 """
 
 from __future__ import annotations
@@ -60,3 +63,54 @@ def compare(native: list[dict], patched: list[dict], tie_gap: float = 0.01, logp
             failures.append(f"request {r}: diverges at token {i} (native top-2 gap {gap:.4f}, "
                             f"max logprob drift before it {drift:.4f})")
     return Agreement(identical, near, failures, len(native), divergences)
+
+
+@dataclass
+class SampleAgreement:
+    """The sampling analogue of `Agreement`, for seeded samples drawn by both arms.
+
+    A sample (a native and a patched completion drawn with the same seed) is identical; or it
+    diverges at token j while every earlier sampled token's logprob agrees between the arms
+    within `logprob_tol` (an acceptable divergence: the seeded draw fell within the tiny
+    difference between two nearly equal distributions); otherwise the divergence is real.
+    Divergences are (sample, first differing token, max logprob drift before it).
+    """
+
+    identical: int
+    acceptable: list[tuple[int, int, float]]
+    real: list[tuple[int, int, float]]
+    total: int
+    max_drift_identical: float  # largest logprob difference anywhere in an identical sample
+
+    @property
+    def identical_fraction(self) -> float:
+        return self.identical / max(self.total, 1)
+
+    def ok(self, min_identical: float = 0.9) -> bool:
+        return not self.real and self.identical_fraction >= min_identical
+
+    def summary(self) -> str:
+        return (f"{self.identical}/{self.total} identical, {len(self.acceptable)} acceptable divergences, "
+                f"{len(self.real)} real divergences")
+
+
+def compare_samples(native: list[tuple[list[int], list[float]]], patched: list[tuple[list[int], list[float]]],
+                    logprob_tol: float = 0.01) -> SampleAgreement:
+    """native/patched: per sample (sampled token ids, each sampled token's logprob), paired by seed.
+
+    A sample whose arms stop at different lengths with one a prefix of the other diverges at the
+    shorter length (one arm drew a stop token there)."""
+    if len(native) != len(patched):
+        raise ValueError(f"sample count {len(native)} vs {len(patched)}")
+    identical, acceptable, real, max_same = 0, [], [], 0.0
+    for s, ((nt, nl), (pt, pl)) in enumerate(zip(native, patched)):
+        if len(nt) != len(nl) or len(pt) != len(pl):
+            raise ValueError(f"sample {s}: token and logprob counts differ")
+        if nt == pt:
+            identical += 1
+            max_same = max([max_same] + [abs(a - b) for a, b in zip(nl, pl)])
+            continue
+        j = next((i for i, (a, b) in enumerate(zip(nt, pt)) if a != b), min(len(nt), len(pt)))
+        drift = max((abs(a - b) for a, b in zip(nl[:j], pl[:j])), default=0.0)
+        (acceptable if drift <= logprob_tol else real).append((s, j, drift))
+    return SampleAgreement(identical, acceptable, real, len(native), max_same)
