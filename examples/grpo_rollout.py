@@ -32,8 +32,9 @@ discards the KV cache (where the patch keeps its rings); level 2 discards the we
 reload that follows restores them. vLLM's sleep mode exists only on CUDA: without a CUDA GPU the
 driver refuses `--sleep-level` > 0 before it starts an arm. `--graphs` captures CUDA graphs for
 decode batches (FULL_DECODE_ONLY, no torch.compile) instead of running eagerly. `--poison` sets
-VLLM_GDN_REPLAYSSM_POISON_UNUSED=1 in the patched arm (see replayssm_patch/shadow.py). The sleep/wake
-path has not been run on a GPU yet.
+VLLM_GDN_REPLAYSSM_POISON_UNUSED=1 in the patched arm (see replayssm_patch/shadow.py). H200 runs of
+levels 1 and 2: benchmarks/results/grpo_rollout_gpu.md. On CUDA the engine asks for an fp32 SSM
+state (Qwen3.5's own default; 16-bit states stay native there).
 
 To use the patch inside a trainer that runs vLLM in-process
 (unsloth's `fast_generate`, or `LLM(...)` directly), call `replayssm_patch.patch()` before the
