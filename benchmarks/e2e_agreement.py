@@ -13,8 +13,24 @@ deciding tokens, few near ties; "plain" is `build_tiny_model(dir, "qwen3_5")`, n
 logits with many near ties. `--model-dtype` is vLLM's activation dtype (the weights are
 stored as bf16 in either case).
 
+`--mtp T` (T > 0) checks MTP speculative decoding through the ring instead: the checkpoint
+is the one of tests/test_vllm_spec.py, `build_tiny_model(dir, "qwen3_5", **MTP_CHECKPOINT)`
+(one MTP layer that drafts the logit echo's successor token: often but not always accepted, so verify
+windows commit every accepted count), both arms get `speculative_config={"method": "mtp",
+"num_speculative_tokens": T}` and prefix caching off (the ring plan refuses MTP with prefix
+caching), and the patched arm is enabled through the environment (VLLM_GDN_REPLAYSSM=1,
+_STRICT=1, _POISON_UNUSED=1 and the experimental opt-in VLLM_GDN_REPLAYSSM_MTP_CUDA=1, which
+on CUDA lets the plan serve MTP). Reported per SSM state, as tests/test_vllm_spec.py reports
+it: vLLM's spec-decode counters per arm (drafts, draft and accepted tokens, accepted per
+position), the GDN cache bytes per request from each engine's KV-cache spec (native 1+T
+pages, the ring one), the ring counters of the patched engine (verify_calls, verify_windows,
+verify_committed, verify_flushes, commit_calls, ...), and the checks of that test: every GDN
+layer on the ring, verify windows committed beyond the bonus token, one state slot per
+request, acceptance equal to native (or within the tokens after a first divergence). The
+script exits 1 when one of those checks fails (after writing the JSON).
+
     python benchmarks/e2e_agreement.py [--out results.json] [--tag NAME] [--tokens 256]
-        [--requests 32] [--checkpoint decisive|plain] [--model-dtype bfloat16|float32]
+        [--requests 32] [--checkpoint decisive|plain] [--model-dtype bfloat16|float32] [--mtp T]
 
 Written for a CUDA GPU and vLLM (>= 0.29, < 0.34). With the offline bundle, vLLM runs with
 attention_backend=TRITON_ATTN, gdn_prefill_backend=triton, VLLM_USE_FLASHINFER_SAMPLER=0.
@@ -40,11 +56,54 @@ CHECKPOINTS = {"decisive": DECISIVE, "plain": {}}  # build_tiny_model(dir, "qwen
 # vLLM 0.33's TRITON_ATTN backend (TritonAttentionBackend.supported_dtypes) takes float16,
 # bfloat16 and float32; this benchmark compares the two below (no float16 run is planned).
 MODEL_DTYPES = ("bfloat16", "float32")
+# --mtp: the MTP checkpoint of tests/test_vllm_spec.py (ECHO = 0.4 there: draft acceptance
+# ~0.8 per position, every accepted count occurs)
+MTP_CHECKPOINT = dict(mtp_layers=1, logit_echo=0.4, echo_drafts=True)
+RING_COUNTERS = ("verify_calls", "verify_windows", "verify_committed", "verify_flushes", "verify_rows",
+                 "commit_calls", "decode_calls", "flushes", "reset_calls", "poisoned_slots")
 
 
-def build_model(workdir: str, checkpoint: str) -> str:
+def build_model(workdir: str, checkpoint: str, mtp: int = 0) -> str:
     """The checkpoint directory (built once, then reused from workdir/models)."""
-    return str(build_tiny_model(os.path.join(workdir, "models"), "qwen3_5", **CHECKPOINTS[checkpoint]))
+    kwargs = MTP_CHECKPOINT if mtp else CHECKPOINTS[checkpoint]
+    return str(build_tiny_model(os.path.join(workdir, "models"), "qwen3_5", **kwargs))
+
+
+def mtp_report(T: int, nat: dict, pat: dict, agreement) -> tuple[dict, str]:
+    """What tests/test_vllm_spec.py reports and checks for one MTP engine pair."""
+    sd_n, sd_p = nat.get("spec_decode") or {}, pat.get("spec_decode") or {}
+    acc_n, acc_p = sd_n.get("num_accepted_tokens"), sd_p.get("num_accepted_tokens")
+    gb_n, gb_p = nat.get("gdn_cache") or {}, pat.get("gdn_cache") or {}
+    ring = pat.get("ring_counters") or {}
+    decisions = pat.get("layer_decisions") or {}
+    # tokens generated after each request's first divergence (drafts may differ from there)
+    tail = sum(len(nat["requests"][r]["tokens"]) - i for r, i, _, _ in agreement.divergences)
+    checks = {
+        "all_gdn_layers_on_ring": bool(decisions) and all(v == "ring" for v in decisions.values()),
+        "verify_calls": ring.get("verify_calls", 0) > 0 and ring.get("verify_windows", 0) > 0,
+        "verify_committed_beyond_bonus": ring.get("verify_committed", 0) > ring.get("verify_windows", 0),
+        "one_state_slot_per_request": gb_n.get("num_speculative_blocks") == [T]
+        and gb_p.get("num_speculative_blocks") == [0],
+        "acceptance": acc_n is not None and acc_p is not None
+        and (acc_p == acc_n if tail == 0 else abs(acc_p - acc_n) <= tail),
+        "drafts_partly_accepted": acc_n is not None and 0 < acc_n < sd_n.get("num_draft_tokens", 0),
+    }
+    ratio = (gb_n["bytes_per_request"] / gb_p["bytes_per_request"]
+             if gb_n.get("bytes_per_request") and gb_p.get("bytes_per_request") else None)
+    entry = {"num_speculative_tokens": T, "accepted_tokens": {"native": acc_n, "patched": acc_p},
+             "tokens_after_first_divergence": tail,
+             "spec_decode": {"native": sd_n, "patched": sd_p},
+             "gdn_cache": {"native": gb_n, "patched": gb_p, "native_over_ring": ratio},
+             "ring_counters": ring, "checks": checks, "checks_passed": all(checks.values())}
+    failed = [k for k, ok in checks.items() if not ok]
+    line = (f"MTP T={T}: accepted tokens native {acc_n} patched {acc_p} (drafts {sd_n.get('num_drafts')}/"
+            f"{sd_p.get('num_drafts')}, draft tokens {sd_n.get('num_draft_tokens')}/{sd_p.get('num_draft_tokens')}, "
+            f"per position {sd_n.get('num_accepted_tokens_per_pos')}/{sd_p.get('num_accepted_tokens_per_pos')}); "
+            f"GDN cache bytes per request native {gb_n.get('bytes_per_request')} ({1 + T} pages) vs ring "
+            f"{gb_p.get('bytes_per_request')} (one page)" + (f": {ratio:.2f}x less" if ratio else "") + "; ring "
+            + ", ".join(f"{k} {ring[k]}" for k in RING_COUNTERS if k in ring)
+            + "; checks " + ("passed" if not failed else "FAILED: " + ", ".join(failed)))
+    return entry, line
 
 
 def run_arm(spec: dict, workdir: str, name: str, env: dict) -> dict:
@@ -82,14 +141,20 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--states", default="float32,bfloat16", help="SSM state dtypes to run")
     ap.add_argument("--no-control", action="store_true", help="skip the native-vs-native control engines (one per SSM state)")
+    ap.add_argument("--mtp", type=int, default=0, metavar="T",
+                    help="MTP speculative decoding with T draft tokens (0: off, the default): the MTP "
+                         "checkpoint of tests/test_vllm_spec.py, prefix caching off, the patched arm with "
+                         "VLLM_GDN_REPLAYSSM_MTP_CUDA=1; replaces --checkpoint")
     args = ap.parse_args()
+    if args.mtp < 0:
+        ap.error(f"--mtp: 0 (off) or a positive number of draft tokens (got {args.mtp})")
     if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
         ap.error(f"--tag: letters, digits, '-', '_' and '.' only (got {args.tag!r})")
     out = args.out or (f"e2e_agreement_{args.tag}.json" if args.tag else "e2e_agreement.json")
     prefix = f"{args.tag}_" if args.tag else ""
     label = f"[{args.tag}] " if args.tag else ""
     workdir = args.workdir or tempfile.mkdtemp(prefix="replayssm-e2e-")
-    model = build_model(workdir, args.checkpoint)
+    model = build_model(workdir, args.checkpoint, args.mtp)
     rng = random.Random(0)
     shared = [rng.randrange(3, 1000) for _ in range(300)]
     prompts = []
@@ -101,6 +166,9 @@ def main() -> None:
     base = dict(load_format="safetensors", dtype=args.model_dtype, max_model_len=1024, skip_tokenizer_init=True,
                 max_num_seqs=args.requests, seed=0, enable_prefix_caching=True, gpu_memory_utilization=0.5,
                 attention_backend="TRITON_ATTN", gdn_prefill_backend="triton", disable_log_stats=False)
+    if args.mtp:  # the ring plan refuses MTP with prefix caching
+        base.update(enable_prefix_caching=False,
+                    speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
     engines = []
     states = args.states.split(",")
     for state in states:
@@ -114,10 +182,19 @@ def main() -> None:
     env.pop("VLLM_GDN_REPLAYSSM", None)
     spec = {"model": model, "ring_len": args.ring_len}
     native = run_arm(dict(spec, patched=False, engines=engines + controls), workdir, f"{prefix}native", env)
-    patched = run_arm(dict(spec, patched=True, engines=engines), workdir, f"{prefix}patched", env)
+    if args.mtp:  # enabled the way a user would: the environment (the plugin reads it), with the opt-in
+        patched_env = dict(env, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(args.ring_len),
+                           VLLM_GDN_REPLAYSSM_STRICT="1", VLLM_GDN_REPLAYSSM_MTP_CUDA="1",
+                           VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
+        patched = run_arm(dict(spec, patched=True, via="env", engines=engines), workdir, f"{prefix}patched",
+                          patched_env)
+    else:
+        patched = run_arm(dict(spec, patched=True, engines=engines), workdir, f"{prefix}patched", env)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(sys.argv), "tag": args.tag, "checkpoint": args.checkpoint,
-              "checkpoint_kwargs": CHECKPOINTS[args.checkpoint], "model": os.path.basename(model),
+              "command": " ".join(sys.argv), "tag": args.tag,
+              "checkpoint": "mtp" if args.mtp else args.checkpoint,
+              "checkpoint_kwargs": MTP_CHECKPOINT if args.mtp else CHECKPOINTS[args.checkpoint],
+              "mtp": args.mtp, "model": os.path.basename(model),
               "model_dtype": args.model_dtype, "requests": args.requests, "tokens": args.tokens,
               "control": None if args.no_control else "native vs native, max_num_seqs=8",
               "status": patched.get("_status"), "arms": {}}
@@ -129,8 +206,10 @@ def main() -> None:
         result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
     except Exception as e:  # reported, not hidden
         result["versions"] = {"error": repr(e)}
-    print(f"{label}checkpoint {args.checkpoint} ({os.path.basename(model)}), model dtype {args.model_dtype}, "
-          f"{args.requests} requests x {args.tokens} tokens", flush=True)
+    print(f"{label}checkpoint {result['checkpoint']} ({os.path.basename(model)}), model dtype {args.model_dtype}, "
+          f"{args.requests} requests x {args.tokens} tokens"
+          + (f", MTP T={args.mtp}, prefix caching off" if args.mtp else ""), flush=True)
+    mtp_failed = []
     for state in states:
         ag = compare(native[state]["requests"], patched[state]["requests"])
         entry = {"patched_vs_native": ag.summary(), "identical_fraction": ag.identical_fraction,
@@ -144,9 +223,19 @@ def main() -> None:
             line += f" | native vs native (max_num_seqs {args.requests} vs 8): {c.summary()}"
         result["arms"][state] = entry
         print(line, flush=True)
+        if args.mtp:
+            entry["mtp"], mtp_line = mtp_report(args.mtp, native[state], patched[state], ag)
+            if controls:
+                entry["mtp"]["control_accepted_tokens"] = (native[f"control_{state}"].get("spec_decode") or {}).get(
+                    "num_accepted_tokens")
+            print(f"{label}[{state} state] {mtp_line}", flush=True)
+            if not entry["mtp"]["checks_passed"]:
+                mtp_failed.append(state)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{label}wrote {out}", flush=True)
+    if mtp_failed:
+        raise SystemExit(f"{label}MTP checks failed for SSM state(s) {', '.join(mtp_failed)} (see {out})")
 
 
 if __name__ == "__main__":

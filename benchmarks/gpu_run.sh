@@ -9,6 +9,12 @@
 #   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first);
 #     agree: e2e_agreement.py twice (decisive checkpoint, fp32 SSM state, native control on),
 #     bf16 then fp32 activations, to $OUT/e2e_agreement_decisive_{bf16act,fp32act}.json + logs
+#   bash benchmarks/gpu_run.sh mtp             # MTP end to end through the ring (needs install):
+#     e2e_agreement.py --mtp 3 then --mtp 7 (MTP checkpoint of tests/test_vllm_spec.py, prefix
+#     caching off, fp32 SSM state, 16 requests x 128 tokens, native control on; the patched arm
+#     sets the experimental VLLM_GDN_REPLAYSSM_MTP_CUDA=1), to $OUT/e2e_agreement_mtp{3,7}.json
+#     + logs: agreement, acceptance per arm, GDN cache bytes per arm, ring verify counters, and
+#     the checks of test_vllm_spec (a run whose checks fail exits 1, the step fails at the end)
 #   bash benchmarks/gpu_run.sh rollout         # examples/grpo_rollout.py twice (needs install): CUDA
 #     graphs, poisoned rings, 3 rounds, llm.sleep(level=1) then (second run) level 2, and
 #     llm.wake_up() before each weight reload; summaries to $OUT/grpo_sleep1.json, grpo_sleep2.json
@@ -45,6 +51,14 @@ case "${1:?step}" in
         --checkpoint decisive --states float32 --model-dtype "$dtype" 2>&1 | tail -20 || rc=1
     done
     cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true
+    exit $rc ;;
+  mtp)  # MTP through the ring on CUDA (experimental opt-in), T=3 then T=7
+    rc=0  # a failed run does not stop the next one; the step fails at the end
+    for T in 3 7; do
+      python3 benchmarks/e2e_agreement.py --mtp "$T" --tag "mtp$T" --out "$OUT/e2e_agreement_mtp$T.json" \
+        --workdir /tmp/mtp --states float32 --requests 16 --tokens 128 2>&1 | tail -20 || rc=1
+    done
+    cp /tmp/mtp/*.log "$OUT/" 2>/dev/null || true
     exit $rc ;;
   e2e)
     shift; python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode.json" --kernel-json benchmarks/results/kernel_decode.json "$@" 2>&1 | tail -40 ;;

@@ -20,7 +20,7 @@ OptionError = _options.OptionError
 
 
 def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict: bool = False,
-          ring_dtype: str = "auto", allow_16bit_state: bool = False) -> dict:
+          ring_dtype: str = "auto", allow_16bit_state: bool = False, allow_mtp_cuda: bool = False) -> dict:
     """Turn ReplaySSM GDN decode on (or off) for this process and the vLLM processes it starts.
 
     enable: True to serve decode through the ring, False to keep vLLM native.
@@ -32,12 +32,16 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         "float32".
     allow_16bit_state: on CUDA, also serve bf16/fp16 SSM states (off by default: the ring
         kernel is slower than vLLM's native decode there at small batches).
+    allow_mtp_cuda: experimental: on CUDA, also serve MTP speculative decoding (off by default:
+        the verify kernel is tested on a GPU, but its vLLM integration has only been validated
+        end to end on the CPU build).
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """
     if not isinstance(enable, bool):
         raise OptionError(f"enable={enable!r} is not accepted; accepted values: True, False")
-    for name, value in (("strict", strict), ("allow_16bit_state", allow_16bit_state)):
+    for name, value in (("strict", strict), ("allow_16bit_state", allow_16bit_state),
+                        ("allow_mtp_cuda", allow_mtp_cuda)):
         if not isinstance(value, bool):
             raise OptionError(f"{name}={value!r} is not accepted; accepted values: True, False")
     opts = _options.Options(
@@ -46,6 +50,7 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         strict=strict,
         ring_dtype=_options.check_ring_dtype("ring_dtype", ring_dtype),
         allow_16bit_state=allow_16bit_state,
+        allow_mtp_cuda=allow_mtp_cuda,
     )
     os.environ.update(opts.to_env())  # vLLM's child processes inherit the environment
     from . import patching

@@ -14,6 +14,7 @@ ENV_RING = "VLLM_GDN_REPLAYSSM_RING"
 ENV_STRICT = "VLLM_GDN_REPLAYSSM_STRICT"
 ENV_RING_DTYPE = "VLLM_GDN_REPLAYSSM_RING_DTYPE"
 ENV_16BIT_STATE = "VLLM_GDN_REPLAYSSM_16BIT_STATE"
+ENV_MTP_CUDA = "VLLM_GDN_REPLAYSSM_MTP_CUDA"
 
 DEFAULT_RING_LEN = 16
 MIN_RING_LEN, MAX_RING_LEN = 1, 64
@@ -38,6 +39,9 @@ class Options:
     # On CUDA the ring kernel is slower than native decode for bf16/fp16 states at small
     # batches (faster from batch 16-64 up), so those configs stay native unless this is set.
     allow_16bit_state: bool = False
+    # Experimental: serve MTP speculative decoding on CUDA. The verify kernel is tested on a GPU,
+    # but its vLLM integration has only run end to end on the CPU build, so off by default.
+    allow_mtp_cuda: bool = False
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -46,6 +50,7 @@ class Options:
             ENV_STRICT: "1" if self.strict else "0",
             ENV_RING_DTYPE: self.ring_dtype,
             ENV_16BIT_STATE: "1" if self.allow_16bit_state else "0",
+            ENV_MTP_CUDA: "1" if self.allow_mtp_cuda else "0",
         }
 
 
@@ -87,4 +92,5 @@ def from_env(environ=None) -> Options:
         strict=parse_bool(ENV_STRICT, env.get(ENV_STRICT, "0")),
         ring_dtype=check_ring_dtype(ENV_RING_DTYPE, env.get(ENV_RING_DTYPE, "auto")),
         allow_16bit_state=parse_bool(ENV_16BIT_STATE, env.get(ENV_16BIT_STATE, "0")),
+        allow_mtp_cuda=parse_bool(ENV_MTP_CUDA, env.get(ENV_MTP_CUDA, "0")),
     )

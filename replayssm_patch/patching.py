@@ -155,6 +155,11 @@ def current_plan(vllm_config):
             raise PatchRefused(msg)
         _log_once(logging.WARNING, msg)
     else:
+        if plan.spec_tokens and options.allow_mtp_cuda and _platform() == "cuda":
+            _log_once(logging.WARNING, f"replayssm_patch: experimental: MTP speculative decoding "
+                      f"(T={plan.spec_tokens}) through the ring on CUDA (VLLM_GDN_REPLAYSSM_MTP_CUDA="
+                      "1 / allow_mtp_cuda=True); its vLLM integration is not yet validated end to "
+                      "end on a GPU")
         _log_once(logging.INFO, f"replayssm_patch: {arch} GDN layers decode through the ring "
                   f"(L={plan.ring_len}, ring {plan.ring_dtype}, state {plan.state_dtype}, "
                   f"+{plan.bytes_per_slot} bytes per layer per cache slot)")
@@ -170,7 +175,8 @@ def report() -> dict:
         "applied": _state["applied"],
         "vllm_version": _state["vllm_version"],
         "options": None if o is None else {"ring_len": o.ring_len, "strict": o.strict, "ring_dtype": o.ring_dtype,
-                                          "allow_16bit_state": o.allow_16bit_state},
+                                          "allow_16bit_state": o.allow_16bit_state,
+                                          "allow_mtp_cuda": o.allow_mtp_cuda},
         "reasons": list(_state["reasons"]),
         "patched": list(_state["patched"]),
         "layers": dict(layer_report),

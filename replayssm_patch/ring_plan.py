@@ -27,8 +27,9 @@ def spec_ring_len(ring_len: int, spec_tokens: int) -> int:
     return min(MAX_SPEC_RING_LEN, max(ring_len, 4 * (spec_tokens + 1)))
 
 
-def _spec_reasons(vllm_config, spec_tokens: int, platform: str) -> list[str]:
-    """Why this speculative config cannot use the ring (empty: it can)."""
+def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: bool = False) -> list[str]:
+    """Why this speculative config cannot use the ring (empty: it can). `allow_mtp_cuda`
+    (VLLM_GDN_REPLAYSSM_MTP_CUDA) drops the CUDA reason alone; every other one stays."""
     spec = vllm_config.speculative_config
     method = getattr(spec, "method", None)
     reasons = []
@@ -43,8 +44,11 @@ def _spec_reasons(vllm_config, spec_tokens: int, platform: str) -> list[str]:
         reasons.append(f"num_speculative_tokens={spec_tokens}: a verify window must fit the ring "
                        f"(at most {MAX_SPEC_RING_LEN} entries)")
     if platform == "cuda":
-        reasons.append("speculative decoding on CUDA: the verify kernel is tested, but its vLLM "
-                       "integration has only been validated end to end on the CPU build")
+        if not allow_mtp_cuda:
+            reasons.append("speculative decoding on CUDA: the verify kernel is tested, but its vLLM "
+                           "integration has only been validated end to end on the CPU build, not yet "
+                           "on a GPU (experimental opt-in: set VLLM_GDN_REPLAYSSM_MTP_CUDA=1 or "
+                           "patch(allow_mtp_cuda=True))")
     elif platform == "cpu":
         import vllm._custom_ops as custom_ops
         from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_mod
@@ -158,7 +162,7 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
     spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
     if spec_tokens > 0:
         platform = "cuda" if current_platform.is_cuda() else "cpu" if current_platform.is_cpu() else "other"
-        reasons += _spec_reasons(vllm_config, spec_tokens, platform)
+        reasons += _spec_reasons(vllm_config, spec_tokens, platform, options.allow_mtp_cuda)
     if vllm_config.lora_config is not None:
         reasons.append("LoRA is enabled (the GDN core may carry LoRA weights)")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:

@@ -27,6 +27,7 @@ if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
     ("VLLM_GDN_REPLAYSSM_STRICT", "2"),
     ("VLLM_GDN_REPLAYSSM_RING_DTYPE", "int8"),
     ("VLLM_GDN_REPLAYSSM_16BIT_STATE", "x"),
+    ("VLLM_GDN_REPLAYSSM_MTP_CUDA", "2"),
 ])
 def test_invalid_environment_values_name_the_variable(var, value):
     with pytest.raises(options.OptionError) as e:
@@ -40,12 +41,16 @@ def test_environment_defaults_and_values():
                           "VLLM_GDN_REPLAYSSM_STRICT": "true", "VLLM_GDN_REPLAYSSM_RING_DTYPE": "float32"})
     assert o == options.Options(enabled=True, ring_len=32, strict=True, ring_dtype="float32")
     assert options.from_env(o.to_env()) == o
+    assert not options.from_env({}).allow_mtp_cuda
+    mtp = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": "1"})
+    assert mtp == options.Options(enabled=True, allow_mtp_cuda=True)
+    assert mtp.to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1" and options.from_env(mtp.to_env()) == mtp
 
 
 @pytest.mark.parametrize("kwargs,name", [
     ({"ring_len": 0}, "ring_len"), ({"ring_len": 100}, "ring_len"), ({"ring_len": 2.5}, "ring_len"),
     ({"enable": "yes"}, "enable"), ({"strict": 1}, "strict"), ({"ring_dtype": "fp8"}, "ring_dtype"),
-    ({"allow_16bit_state": "no"}, "allow_16bit_state"),
+    ({"allow_16bit_state": "no"}, "allow_16bit_state"), ({"allow_mtp_cuda": 1}, "allow_mtp_cuda"),
 ])
 def test_patch_rejects_bad_arguments_without_touching_anything(kwargs, name, monkeypatch):
     import replayssm_patch
@@ -144,6 +149,25 @@ def test_layer_already_replaced_by_someone_else(clean_patch_state):
     finally:
         op_registry_oot.pop("QwenGatedDeltaNetAttention", None)
     assert report["applied"] is False and "already replaced" in report["reasons"][0]
+
+
+def test_patch_allow_mtp_cuda_reaches_options_env_and_status(clean_patch_state, monkeypatch):
+    """patch(allow_mtp_cuda=True) sets the option, the environment the worker processes read
+    (VLLM_GDN_REPLAYSSM_MTP_CUDA) and status(); the default leaves it off."""
+    import replayssm_patch
+
+    for var in ("VLLM_GDN_REPLAYSSM", "VLLM_GDN_REPLAYSSM_MTP_CUDA"):
+        monkeypatch.delenv(var, raising=False)
+    report = replayssm_patch.patch(allow_mtp_cuda=True)
+    assert report["applied"], report
+    assert report["options"]["allow_mtp_cuda"] is True
+    assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
+    assert options.from_env().allow_mtp_cuda  # what the plugin reads in vLLM's other processes
+    assert clean_patch_state._state["options"].allow_mtp_cuda
+    assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is True
+    replayssm_patch.patch()
+    assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
+    assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is False
 
 
 def test_apply_and_revert_restore_vllm(clean_patch_state):
@@ -275,3 +299,64 @@ def test_cuda_16bit_state_stays_native_unless_allowed(monkeypatch):
     assert plan is None and "16-bit states" in reasons[0]
     assert plan_for(bf16, options.Options(enabled=True, allow_16bit_state=True))[0] is not None
     assert plan_for(fake_config(), ON)[0] is not None  # fp32 state is served
+
+
+def _mtp_config(T=3, **over):
+    return fake_config(**{"cache_config.mamba_cache_mode": "none",
+                          "speculative_config": SimpleNamespace(num_speculative_tokens=T, method="mtp"), **over})
+
+
+def test_spec_reasons_cuda_refused_unless_opted_in():
+    """On CUDA MTP stays native by default; VLLM_GDN_REPLAYSSM_MTP_CUDA=1 drops that reason
+    alone: prefix caching and other speculative methods are still refused."""
+    from replayssm_patch.ring_plan import _spec_reasons
+
+    reasons = _spec_reasons(_mtp_config(), 3, "cuda")
+    assert len(reasons) == 1 and "speculative decoding on CUDA" in reasons[0]
+    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA=1" in reasons[0] and "not yet on a GPU" in reasons[0]
+    assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True) == []
+    align = _spec_reasons(_mtp_config(**{"cache_config.mamba_cache_mode": "align"}), 3, "cuda", allow_mtp_cuda=True)
+    assert len(align) == 1 and "prefix caching" in align[0]
+    ngram_config = _mtp_config(speculative_config=SimpleNamespace(num_speculative_tokens=3, method="ngram"))
+    ngram = _spec_reasons(ngram_config, 3, "cuda", allow_mtp_cuda=True)
+    assert len(ngram) == 1 and "speculative method 'ngram'" in ngram[0]
+    too_long = _spec_reasons(_mtp_config(), 255, "cuda", allow_mtp_cuda=True)
+    assert len(too_long) == 1 and "a verify window must fit the ring" in too_long[0]
+
+
+def test_cuda_mtp_stays_native_unless_allowed(monkeypatch, caplog):
+    """plan_for on (faked) CUDA: MTP refused by default, served with the opt-in (ring sized
+    for the window), and the layer's plan logs an "experimental" warning once."""
+    import logging
+
+    from vllm.platforms import current_platform
+
+    from replayssm_patch import kernels, model_hooks, patching
+    from replayssm_patch.ring_plan import plan_for
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False, raising=False)
+    monkeypatch.setattr(kernels, "gpu_kernels_available", lambda: (True, ""))
+    plan, reasons = plan_for(_mtp_config(7), ON)
+    assert plan is None and reasons and "speculative decoding on CUDA" in reasons[0]
+    opted = options.Options(enabled=True, allow_mtp_cuda=True)
+    plan, reasons = plan_for(_mtp_config(7), opted)
+    assert reasons == [] and plan.spec_window == 8 and plan.ring_len == 32
+    assert plan_for(_mtp_config(7, **{"cache_config.mamba_cache_mode": "align"}), opted)[0] is None
+
+    monkeypatch.setattr(model_hooks, "ensure", lambda cfg, extra: (True, ""))
+    monkeypatch.setattr(patching, "_logged", set())
+    monkeypatch.setitem(patching._state, "options", opted)
+    monkeypatch.setattr(patching.logger, "propagate", True)
+    with caplog.at_level(logging.WARNING, logger=patching.logger.name):
+        assert patching.current_plan(_mtp_config(7))[0] is not None
+        patching.current_plan(_mtp_config(7))
+    warned = [r for r in caplog.records if "experimental: MTP" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA" in warned[0].getMessage()
+    caplog.clear()
+    monkeypatch.setitem(patching._state, "options", ON)
+    with caplog.at_level(logging.WARNING, logger=patching.logger.name):
+        assert patching.current_plan(_mtp_config(7))[0] is None  # refused, reason logged, no warning
+    assert not any("experimental: MTP" in r.getMessage() for r in caplog.records)
+    assert any("speculative decoding on CUDA" in r.getMessage() for r in caplog.records)
