@@ -202,8 +202,8 @@ def main() -> None:
         import torch
         import vllm
 
-        result["gpu"] = torch.cuda.get_device_name(0)
         result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
+        result["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU build)"
     except Exception as e:  # reported, not hidden
         result["versions"] = {"error": repr(e)}
     print(f"{label}checkpoint {result['checkpoint']} ({os.path.basename(model)}), model dtype {args.model_dtype}, "

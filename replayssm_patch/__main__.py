@@ -42,6 +42,9 @@ def doctor(argv: list[str]) -> int:
         enabled=True,
         ring_len=opts_mod.check_ring_len("--ring-len", args.ring_len) if args.ring_len else env_opts.ring_len,
         ring_dtype=opts_mod.check_ring_dtype("--ring-dtype", args.ring_dtype or env_opts.ring_dtype),
+        # the environment's opt-ins count, as they would in an engine started from this shell
+        allow_16bit_state=env_opts.allow_16bit_state,
+        allow_mtp_cuda=env_opts.allow_mtp_cuda,
     )
     from . import patching, versions
 
