@@ -27,6 +27,18 @@ def spec_ring_len(ring_len: int, spec_tokens: int) -> int:
     return min(MAX_SPEC_RING_LEN, max(ring_len, 4 * (spec_tokens + 1)))
 
 
+MTP_CUDA_MIN_VLLM = "0.32"  # the opt-in's CUDA routing is written for vLLM 0.32/0.33
+
+
+def _vllm_before(version: str) -> bool:
+    from packaging.version import Version
+
+    from .versions import installed_vllm_version, parse_version
+
+    v = parse_version(installed_vllm_version() or "")
+    return v is not None and Version(v.base_version) < Version(version)
+
+
 def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: bool = False) -> list[str]:
     """Why this speculative config cannot use the ring (empty: it can). `allow_mtp_cuda`
     (VLLM_GDN_REPLAYSSM_MTP_CUDA) drops the CUDA reason alone; every other one stays."""
@@ -49,6 +61,12 @@ def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: 
                            "integration has only been validated end to end on the CPU build, not yet "
                            "on a GPU (experimental opt-in: set VLLM_GDN_REPLAYSSM_MTP_CUDA=1 or "
                            "patch(allow_mtp_cuda=True))")
+        elif _vllm_before(MTP_CUDA_MIN_VLLM):
+            # Before 0.32 vLLM keeps plain decode rows beside verify rows in one batch, which a
+            # FULL CUDA graph replays: their commit slots/counts would need persistent buffers.
+            reasons.append(f"speculative decoding on CUDA with vLLM < {MTP_CUDA_MIN_VLLM}: batches mixing "
+                           "verify and plain decode rows under FULL CUDA graphs need persistent commit "
+                           "buffers, which the ring does not have (the opt-in covers vLLM 0.32/0.33)")
     elif platform == "cpu":
         import vllm._custom_ops as custom_ops
         from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_mod

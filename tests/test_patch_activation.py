@@ -324,6 +324,19 @@ def test_spec_reasons_cuda_refused_unless_opted_in():
     assert len(too_long) == 1 and "a verify window must fit the ring" in too_long[0]
 
 
+def test_mtp_cuda_opt_in_refused_before_vllm_032(monkeypatch):
+    """vLLM 0.31 keeps plain decode rows beside verify rows in FULL-graph batches: the opt-in
+    does not cover it (its commit tensors are not persistent buffers)."""
+    from replayssm_patch import versions
+    from replayssm_patch.ring_plan import _spec_reasons
+
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.31.0")
+    reasons = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True)
+    assert len(reasons) == 1 and "vLLM < 0.32" in reasons[0] and "persistent commit buffers" in reasons[0]
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
+    assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True) == []
+
+
 def test_cuda_mtp_stays_native_unless_allowed(monkeypatch, caplog):
     """plan_for on (faked) CUDA: MTP refused by default, served with the opt-in (ring sized
     for the window), and the layer's plan logs an "experimental" warning once."""
