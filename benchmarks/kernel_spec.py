@@ -11,8 +11,8 @@ Arms, in one process on one GPU, on the same inputs:
   slot of the last accepted token and writes the state after every token of the window;
 * ours: `ring_verify` (one checkpoint slot per request + a 32-entry replay ring; the delayed
   commit of the previous window from num_accepted runs inside the same step), in its default
-  launch form (mode="parallel": main kernel per (row, value head, BV value rows) + finish
-  kernel per (row, key head));
+  launch form (mode="parallel": prep kernel per (row, key head), main kernel per (row, value
+  head, BV value rows), finish kernel per (row, key head));
 * ours serial: `ring_verify(..., mode="serial")` (one program per (row, key head)), for
   comparison.
 
@@ -371,8 +371,8 @@ def write_results(res, out_dir):
         f"fp32 ring of L={L}; CUDA graphs, median of {REPLAYS} replays of {STEPS} steps; "
         "time per layer-step in microseconds. Accepted counts uniform in 1..T+1 "
         "(\"all accepted\": every window fully accepted, the ring's worst case). \"ours\" is "
-        "`ring_verify`'s default launch form (parallel: main kernel per (row, value head, BV value "
-        "rows) + finish kernel per (row, key head)); \"serial\" is mode=\"serial\" (one program per "
+        "`ring_verify`'s default launch form (parallel: prep kernel per (row, key head), main kernel "
+        "per (row, value head, BV value rows), finish kernel per (row, key head)); \"serial\" is mode=\"serial\" (one program per "
         "(row, key head)).",
         "",
         f"Sanity check (same state, two steps, T=3, B=4): max relative output difference "
