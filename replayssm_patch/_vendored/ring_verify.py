@@ -93,6 +93,26 @@ _FIELD_MASK = CURSOR_FIELD_MASK  # n and the pending length: 8 bits each (the ke
 
 
 @triton.jit
+def _row_window(cu, row, MAXT: tl.constexpr):
+    """First token and token count (clamped to [0, MAXT]) of launch row `row`."""
+    lo = tl.load(cu + row).to(tl.int64)
+    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
+    return lo, tl.minimum(tl.maximum(W, 0), MAXT)
+
+
+@triton.jit
+def _committed_count(word, acc, row, stride_acc, L: tl.constexpr, HAS_ACC: tl.constexpr):
+    """Committed entries of a slot whose cursor word (n | pending << 8, tickets above bit 16
+    ignored) is `word`, after the delayed commit of min(num_accepted, pending) entries."""
+    n = word & 0xFF
+    if HAS_ACC:
+        pend = (word >> 8) & 0xFF
+        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
+        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
+    return tl.minimum(n, L)
+
+
+@triton.jit
 def _ring_verify_kernel(
     qkv, a, b, A_log, dt_bias, out, state, idx, cu, acc,
     ring_d, ring_k, ring_g, cursor,
@@ -117,9 +137,7 @@ def _ring_verify_kernel(
     m_k = o_k < K
 
     slot = tl.load(idx + row * stride_idx).to(tl.int64)
-    lo = tl.load(cu + row).to(tl.int64)
-    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
-    W = tl.minimum(tl.maximum(W, 0), MAXT)
+    lo, W = _row_window(cu, row, MAXT)
     m_w = o_w < W
     tok = lo + o_w  # token rows of this request (valid where m_w)
 
@@ -147,12 +165,7 @@ def _ring_verify_kernel(
     # Cursor word: committed n, pending window p (the ticket makes this read race-free).
     ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
     arrivals = ticket >> 16
-    n = ticket & 0xFF
-    pend = (ticket >> 8) & 0xFF
-    if HAS_ACC:
-        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
-        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
-    n = tl.minimum(n, L)
+    n = _committed_count(ticket, acc, row, stride_acc, L, HAS_ACC)
     flush = n + W > L
     n_w = tl.where(flush, 0, n)  # where the window starts
     live = o_l < n  # committed entries (before a flush)
@@ -283,20 +296,13 @@ def _ring_verify_prep_kernel(
     slot = tl.load(idx + row * stride_idx).to(tl.int64)
     if slot <= 0:
         return
-    lo = tl.load(cu + row).to(tl.int64)
-    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
-    W = tl.minimum(tl.maximum(W, 0), MAXT)
+    lo, W = _row_window(cu, row, MAXT)
     m_w = o_w < W
     tok = lo + o_w
 
     # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
     word = tl.load(cursor + slot)
-    n = word & 0xFF
-    pend = (word >> 8) & 0xFF
-    if HAS_ACC:
-        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
-        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
-    n = tl.minimum(n, L)
+    n = _committed_count(word, acc, row, stride_acc, L, HAS_ACC)
     n_w = tl.where(n + W > L, 0, n)  # committed entries the verify replays (none after a flush)
 
     p_x = qkv + tok[:, None] * stride_qkv
@@ -368,9 +374,7 @@ def _ring_verify_block_kernel(
     m_v = o_v < V
 
     slot = tl.load(idx + row * stride_idx).to(tl.int64)
-    lo = tl.load(cu + row).to(tl.int64)
-    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
-    W = tl.minimum(tl.maximum(W, 0), MAXT)
+    lo, W = _row_window(cu, row, MAXT)
     m_w = o_w < W
     tok = lo + o_w
 
@@ -383,12 +387,7 @@ def _ring_verify_block_kernel(
 
     # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
     word = tl.load(cursor + slot)
-    n = word & 0xFF
-    pend = (word >> 8) & 0xFF
-    if HAS_ACC:
-        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
-        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
-    n = tl.minimum(n, L)
+    n = _committed_count(word, acc, row, stride_acc, L, HAS_ACC)
     flush = n + W > L
     n_w = tl.where(flush, 0, n)
     live = o_l < n
@@ -489,21 +488,14 @@ def _ring_verify_finish_kernel(
     slot = tl.load(idx + row * stride_idx).to(tl.int64)
     if slot <= 0:
         return
-    lo = tl.load(cu + row).to(tl.int64)
-    W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
-    W = tl.minimum(tl.maximum(W, 0), MAXT)
+    lo, W = _row_window(cu, row, MAXT)
     m_w = o_w < W
     tok = lo + o_w
 
     # The ticket makes the read of the word race-free against the row's last program's write.
     ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
     arrivals = ticket >> 16
-    n = ticket & 0xFF
-    pend = (ticket >> 8) & 0xFF
-    if HAS_ACC:
-        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
-        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
-    n = tl.minimum(n, L)
+    n = _committed_count(ticket, acc, row, stride_acc, L, HAS_ACC)
     flush = n + W > L
     n_w = tl.where(flush, 0, n)
 
