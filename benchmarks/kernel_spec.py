@@ -246,45 +246,58 @@ def _capture(fn):
     return g
 
 
-def time_cell(native_fn, B, T, dev):
+def cell_layers(B, T, dev):
+    """Enough independent layers per arm that a step's footprint is >= MIN_FOOTPRINT (a
+    layer's state is not still in L2 from the previous step): (ours, native) lists."""
     gen = torch.Generator(device=dev).manual_seed(B * 100 + T)
     nl_o = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / bytes_per_layer(B, T, "ours"))))
     nl_n = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / bytes_per_layer(B, T, "native"))))
-    ours = [Layer(B, T, gen, dev, native=False) for _ in range(nl_o)]
-    nat = [Layer(B, T, gen, dev, ours=False) for _ in range(nl_n)]
-    acc_u = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
-    acc_all = acceptance_table(B, T, STEPS, seed=0, mode="all", dev=dev)
+    return ([Layer(B, T, gen, dev, native=False) for _ in range(nl_o)],
+            [Layer(B, T, gen, dev, ours=False) for _ in range(nl_n)])
 
-    def run_ours(table, mode=None):
-        def f():
-            for acc in table:
-                for lay in ours:
-                    lay.ours(acc, mode)
-        return f
 
-    def run_native():
-        for acc in acc_u:
-            for lay in nat:
-                lay.native(native_fn, acc)
+def arm_steps(layers, table, call):
+    """One arm's graph body: every step of the acceptance table through every layer."""
+    def f():
+        for acc in table:
+            for lay in layers:
+                call(lay, acc)
+    return f
 
-    # ours and ours_all_accepted: the default (parallel) form; ours_serial: mode="serial" (the
-    # arms share the ring buffers: each replay continues from the cursors the last one left)
-    graphs = {"ours": (_capture(run_ours(acc_u)), nl_o), "ours_all_accepted": (_capture(run_ours(acc_all)), nl_o),
-              "ours_serial": (_capture(run_ours(acc_u, "serial")), nl_o),
-              "native": (_capture(run_native), nl_n)}
+
+def median_us(graphs, replays):
+    """graphs: name -> (CUDA graph of STEPS steps, layers); replayed in rotation after one
+    settling replay each; the median microseconds per layer-step per name."""
     for g, _ in graphs.values():  # settle the ring's cursors into their steady state
         g.replay()
     torch.cuda.synchronize()
     times = {k: [] for k in graphs}
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         for name, (g, nl) in graphs.items():
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             g.replay()
             e1.record()
             e1.synchronize()
-            times[name].append(e0.elapsed_time(e1) * 1e3 / (STEPS * nl))  # us per layer-step
-    med = {k: statistics.median(v) for k, v in times.items()}
+            times[name].append(e0.elapsed_time(e1) * 1e3 / (STEPS * nl))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def time_cell(native_fn, B, T, dev):
+    ours, nat = cell_layers(B, T, dev)
+    nl_o, nl_n = len(ours), len(nat)
+    acc_u = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
+    acc_all = acceptance_table(B, T, STEPS, seed=0, mode="all", dev=dev)
+
+    def run_ours(table, mode=None):
+        return arm_steps(ours, table, lambda lay, acc: lay.ours(acc, mode))
+
+    # ours and ours_all_accepted: the default (parallel) form; ours_serial: mode="serial" (the
+    # arms share the ring buffers: each replay continues from the cursors the last one left)
+    graphs = {"ours": (_capture(run_ours(acc_u)), nl_o), "ours_all_accepted": (_capture(run_ours(acc_all)), nl_o),
+              "ours_serial": (_capture(run_ours(acc_u, "serial")), nl_o),
+              "native": (_capture(arm_steps(nat, acc_u, lambda lay, acc: lay.native(native_fn, acc))), nl_n)}
+    med = median_us(graphs, REPLAYS)
     ok = all(torch.isfinite(lay.out.float()).all() for lay in ours)
     graphs.clear(), ours.clear(), nat.clear()  # free the buffers before the next cell
     torch.cuda.empty_cache()
@@ -304,50 +317,22 @@ def sweep(native_fn, dev, out_dir):
     global PARALLEL_CONFIG
     rows = []
     for T, B in SWEEP_CELLS:
-        gen = torch.Generator(device=dev).manual_seed(B * 100 + T)
-        nl_o = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / bytes_per_layer(B, T, "ours"))))
-        nl_n = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / bytes_per_layer(B, T, "native"))))
-        ours = [Layer(B, T, gen, dev, native=False) for _ in range(nl_o)]
-        nat = [Layer(B, T, gen, dev, ours=False) for _ in range(nl_n)]
+        ours, nat = cell_layers(B, T, dev)
         acc_u = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
-
-        def run_native():
-            for acc in acc_u:
-                for lay in nat:
-                    lay.native(native_fn, acc)
-
-        graphs = {"native": (_capture(run_native), nl_n)}
+        graphs = {"native": (_capture(arm_steps(nat, acc_u, lambda lay, acc: lay.native(native_fn, acc))), len(nat))}
         for cfg in SWEEP_CONFIGS:
-            PARALLEL_CONFIG = cfg
-
-            def run_ours():
-                for acc in acc_u:
-                    for lay in ours:
-                        lay.ours(acc)
+            PARALLEL_CONFIG = cfg  # read by Layer.ours while the graph is captured
             try:
-                graphs[cfg] = (_capture(run_ours), nl_o)
+                graphs[cfg] = (_capture(arm_steps(ours, acc_u, lambda lay, acc: lay.ours(acc))), len(ours))
             except Exception as e:  # a config that does not compile is reported, not fatal
                 print(f"T={T} B={B} {cfg}: failed: {e!r}"[:300], flush=True)
         PARALLEL_CONFIG = None
-        for g, _ in graphs.values():
-            g.replay()
-        torch.cuda.synchronize()
-        times = {k: [] for k in graphs}
-        for _ in range(5):
-            for name, (g, nl) in graphs.items():
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                g.replay()
-                e1.record()
-                e1.synchronize()
-                times[name].append(e0.elapsed_time(e1) * 1e3 / (STEPS * nl))
-        us_nat = statistics.median(times["native"])
-        for key, v in times.items():
+        med = median_us(graphs, 5)
+        for key, us in med.items():
             if key == "native":
                 continue
-            us = statistics.median(v)
-            row = {"T": T, "B": B, "config": list(key), "us_ours": us,
-                   "us_native": us_nat, "speedup": us_nat / us}
+            row = {"T": T, "B": B, "config": list(key), "us_ours": us, "us_native": med["native"],
+                   "speedup": med["native"] / us}
             rows.append(row)
             print(json.dumps({k: (round(x, 2) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
         graphs.clear(), ours.clear(), nat.clear()
