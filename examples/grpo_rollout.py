@@ -111,7 +111,8 @@ def arm(args) -> None:
     from vllm import LLM, SamplingParams
 
     cuda = torch.cuda.is_available()
-    llm = LLM(**engine_options(args, cuda))
+    opts = engine_options(args, cuda)
+    llm = LLM(**opts)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 48))] for _ in range(args.prompts)]
     rounds, checksums, sleeps = [], [], []
@@ -149,7 +150,7 @@ def arm(args) -> None:
                                        "sleep_wake": sleeps,
                                        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
                                        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-                                       "ssm_state": engine_options(args, cuda).get("mamba_ssm_cache_dtype", "auto")}))
+                                       "ssm_state": opts.get("mamba_ssm_cache_dtype", "auto")}))
 
 
 def main() -> int:
