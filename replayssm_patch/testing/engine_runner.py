@@ -37,6 +37,14 @@ def _gdn_layers_info(model):
     return info
 
 
+def _ring_counters_in_worker(model):
+    """This worker's ring-kernel counters (apply_model passes the model; the counters are
+    per process, so with several ranks each rank reports its own)."""
+    from replayssm_patch import kernels
+
+    return dict(kernels.counters)
+
+
 def _top2(lp_dict):
     items = sorted(lp_dict.items(), key=lambda kv: -kv[1].logprob)[:2]
     return [[int(t), float(lp.logprob)] for t, lp in items]
@@ -152,7 +160,12 @@ def main(spec_path: str) -> None:
             entry["spec_decode"] = _spec_decode_metrics(llm)
             entry["gdn_cache"] = _gdn_cache_bytes(llm)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
-            entry["layers"] = llm.apply_model(_gdn_layers_info)[0]
+            per_rank = llm.apply_model(_gdn_layers_info)
+            entry["layers"] = per_rank[0]
+            if len(per_rank) > 1:  # tensor parallel: every rank's layers, and its own ring counters
+                entry["layers_per_rank"] = per_rank
+                if spec["patched"]:
+                    entry["ring_counters_per_rank"] = llm.apply_model(_ring_counters_in_worker)
         if spec["patched"]:  # what this engine alone did on the ring, and each layer's decision
             after = _ring_counters(spec)
             entry["ring_counters"] = {k: v - before.get(k, 0) for k, v in after.items()}
