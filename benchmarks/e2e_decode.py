@@ -8,6 +8,13 @@ in one engine. Per batch size it times a generate() with 1 output token and one 
 time to first token are excluded.
 
     python benchmarks/e2e_decode.py --out e2e.json [--batches 1,16,64,256] [--order AB]
+        [--tp N] [--gdn-heads HK,HV] [--mtp T]
+
+`--tp N` runs both arms with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
+(16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
+with T drafts to both arms (prefix caching off in both; with dummy weights drafts are rarely
+accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
+counters are recorded per arm).
 
 The Amdahl bound per batch size is computed from the native step time and, when given
 (`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
@@ -47,7 +54,10 @@ def model_config(args) -> dict:
     except (ValueError, AssertionError):
         raise SystemExit(f"--gdn-heads: HK,HV with HV a multiple of HK and HK a multiple of --tp "
                          f"(got {args.gdn_heads!r}, --tp {args.tp})")
-    return dict(CONFIG_9B, linear_num_key_heads=hk, linear_num_value_heads=hv)
+    cfg = dict(CONFIG_9B, linear_num_key_heads=hk, linear_num_value_heads=hv)
+    if args.mtp:  # one MTP layer (dummy weights: drafts are rarely accepted, each step costs 1+T tokens)
+        cfg["mtp_num_hidden_layers"] = 1
+    return cfg
 
 
 def arm(args) -> None:
@@ -60,13 +70,17 @@ def arm(args) -> None:
     from vllm import LLM, SamplingParams
 
     batches = [int(b) for b in args.batches.split(",")]
+    spec = {}
+    if args.mtp:  # the ring plan serves MTP without prefix caching only: both arms run without it
+        spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
     t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + 8,
-              max_num_seqs=max(batches), seed=0, skip_tokenizer_init=True, enable_prefix_caching=True,
+              max_num_seqs=max(batches), seed=0, skip_tokenizer_init=True, enable_prefix_caching=not args.mtp,
+              disable_log_stats=not args.mtp, **spec,
               mamba_ssm_cache_dtype=args.state_dtype, gpu_memory_utilization=0.85,
               attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
               compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode},
-              tensor_parallel_size=args.tp, disable_log_stats=True)
+              tensor_parallel_size=args.tp)
     start_s = time.perf_counter() - t0
     res = {"engine_start_s": start_s, "batches": {}}
     for b in batches:
@@ -91,6 +105,9 @@ def arm(args) -> None:
                              "per_request_tok_s": steps / decode, "aggregate_tok_s": b * steps / decode}
         print(f"[{'patched' if args.patched else 'native'}] batch {b}: step {1e3 * decode / steps:.3f} ms, "
               f"{b * steps / decode:.0f} tok/s aggregate", flush=True)
+    if args.mtp:  # vLLM's speculative-decoding counters over the whole arm (all batch sizes)
+        res["spec_decode"] = {m.name[len("vllm:spec_decode_"):]: (list(m.values) if hasattr(m, "values") else m.value)
+                              for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_")}
     print("RESULT_JSON " + json.dumps(res), flush=True)
 
 
@@ -131,6 +148,9 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multiprocessing executor for > 1)")
     ap.add_argument("--gdn-heads", default="16,32", metavar="HK,HV",
                     help="GDN key and value heads (default 16,32: Qwen3.5-9B; 16,48 for issue 7's TP=2 shape)")
+    ap.add_argument("--mtp", type=int, default=0, metavar="T",
+                    help="MTP speculative decoding with T drafts (0: off); adds one MTP layer to the config, "
+                         "prefix caching off in both arms; step_ms is then the time per output token")
     ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="*", default=None, metavar="JSON",
@@ -155,7 +175,7 @@ def main() -> None:
                "--in-len", str(args.in_len), "--out-len", str(args.out_len), "--repeats", str(args.repeats),
                "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
                "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode),
-               "--tp", str(args.tp)]
+               "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp)]
         print(f"== arm {name}", flush=True)
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = p.stdout + p.stderr
