@@ -20,7 +20,7 @@ OptionError = _options.OptionError
 
 
 def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict: bool = False,
-          ring_dtype: str = "auto", allow_16bit_state: bool = False, allow_mtp_cuda: bool = False) -> dict:
+          ring_dtype: str = "auto", allow_16bit_state: bool = False, allow_mtp_cuda: bool = True) -> dict:
     """Turn ReplaySSM GDN decode on (or off) for this process and the vLLM processes it starts.
 
     enable: True to serve decode through the ring, False to keep vLLM native.
@@ -32,9 +32,9 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         "float32".
     allow_16bit_state: on CUDA, also serve bf16/fp16 SSM states (off by default: the ring
         kernel is slower than vLLM's native decode there at small batches).
-    allow_mtp_cuda: experimental: on CUDA, also serve MTP speculative decoding (off by default:
-        the verify kernel is tested on a GPU, but its vLLM integration has only been validated
-        end to end on the CPU build).
+    allow_mtp_cuda: on CUDA, also serve MTP speculative decoding through the ring (on by
+        default; vLLM >= 0.32, validated end to end on an H200 with vLLM 0.33.0). False keeps
+        vLLM's native speculative path on CUDA.
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """

@@ -156,10 +156,9 @@ def current_plan(vllm_config):
         _log_once(logging.WARNING, msg)
     else:
         if plan.spec_tokens and options.allow_mtp_cuda and _platform() == "cuda":
-            _log_once(logging.WARNING, f"replayssm_patch: experimental: MTP speculative decoding "
-                      f"(T={plan.spec_tokens}) through the ring on CUDA (VLLM_GDN_REPLAYSSM_MTP_CUDA="
-                      "1 / allow_mtp_cuda=True); its vLLM integration is not yet validated end to "
-                      "end on a GPU")
+            _log_once(logging.INFO, f"replayssm_patch: MTP speculative decoding (T={plan.spec_tokens}) "
+                      "goes through the ring on CUDA, one state slot per request "
+                      "(VLLM_GDN_REPLAYSSM_MTP_CUDA=0 keeps vLLM's native speculative path)")
         _log_once(logging.INFO, f"replayssm_patch: {arch} GDN layers decode through the ring "
                   f"(L={plan.ring_len}, ring {plan.ring_dtype}, state {plan.state_dtype}, "
                   f"+{plan.bytes_per_slot} bytes per layer per cache slot)")

@@ -27,7 +27,7 @@ def spec_ring_len(ring_len: int, spec_tokens: int) -> int:
     return min(MAX_SPEC_RING_LEN, max(ring_len, 4 * (spec_tokens + 1)))
 
 
-MTP_CUDA_MIN_VLLM = "0.32"  # the opt-in's CUDA routing is written for vLLM 0.32/0.33
+MTP_CUDA_MIN_VLLM = "0.32"  # the CUDA MTP routing is written for vLLM 0.32/0.33
 
 
 def _vllm_before(version: str) -> bool:
@@ -39,9 +39,9 @@ def _vllm_before(version: str) -> bool:
     return v is not None and Version(v.base_version) < Version(version)
 
 
-def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: bool = False) -> list[str]:
-    """Why this speculative config cannot use the ring (empty: it can). `allow_mtp_cuda`
-    (VLLM_GDN_REPLAYSSM_MTP_CUDA) drops the CUDA reason alone; every other one stays."""
+def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: bool = True) -> list[str]:
+    """Why this speculative config cannot use the ring (empty: it can). `allow_mtp_cuda=False`
+    (VLLM_GDN_REPLAYSSM_MTP_CUDA=0) adds a CUDA reason; the other reasons do not depend on it."""
     spec = vllm_config.speculative_config
     method = getattr(spec, "method", None)
     reasons = []
@@ -57,16 +57,15 @@ def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: 
                        f"(at most {MAX_SPEC_RING_LEN} entries)")
     if platform == "cuda":
         if not allow_mtp_cuda:
-            reasons.append("speculative decoding on CUDA: the verify kernel is tested, but its vLLM "
-                           "integration has only been validated end to end on the CPU build, not yet "
-                           "on a GPU (experimental opt-in: set VLLM_GDN_REPLAYSSM_MTP_CUDA=1 or "
-                           "patch(allow_mtp_cuda=True))")
+            reasons.append("speculative decoding on CUDA: turned off by the user through "
+                           "VLLM_GDN_REPLAYSSM_MTP_CUDA=0 / patch(allow_mtp_cuda=False) (the default, 1 / "
+                           "True, serves MTP through the ring)")
         elif _vllm_before(MTP_CUDA_MIN_VLLM):
             # Before 0.32 vLLM keeps plain decode rows beside verify rows in one batch, which a
             # FULL CUDA graph replays: their commit slots/counts would need persistent buffers.
             reasons.append(f"speculative decoding on CUDA with vLLM < {MTP_CUDA_MIN_VLLM}: batches mixing "
                            "verify and plain decode rows under FULL CUDA graphs need persistent commit "
-                           "buffers, which the ring does not have (the opt-in covers vLLM 0.32/0.33)")
+                           "buffers, which the ring does not have (MTP on CUDA is served from vLLM 0.32)")
     elif platform == "cpu":
         import vllm._custom_ops as custom_ops
         from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_mod

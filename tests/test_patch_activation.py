@@ -41,10 +41,12 @@ def test_environment_defaults_and_values():
                           "VLLM_GDN_REPLAYSSM_STRICT": "true", "VLLM_GDN_REPLAYSSM_RING_DTYPE": "float32"})
     assert o == options.Options(enabled=True, ring_len=32, strict=True, ring_dtype="float32")
     assert options.from_env(o.to_env()) == o
-    assert not options.from_env({}).allow_mtp_cuda
-    mtp = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": "1"})
-    assert mtp == options.Options(enabled=True, allow_mtp_cuda=True)
-    assert mtp.to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1" and options.from_env(mtp.to_env()) == mtp
+    assert options.from_env({}).allow_mtp_cuda and options.Options().allow_mtp_cuda  # on by default
+    assert options.from_env({"VLLM_GDN_REPLAYSSM_MTP_CUDA": "1"}).allow_mtp_cuda
+    native = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": "0"})
+    assert native == options.Options(enabled=True, allow_mtp_cuda=False)
+    assert native.to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0" and options.from_env(native.to_env()) == native
+    assert options.Options().to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -152,22 +154,29 @@ def test_layer_already_replaced_by_someone_else(clean_patch_state):
 
 
 def test_patch_allow_mtp_cuda_reaches_options_env_and_status(clean_patch_state, monkeypatch):
-    """patch(allow_mtp_cuda=True) sets the option, the environment the worker processes read
-    (VLLM_GDN_REPLAYSSM_MTP_CUDA) and status(); the default leaves it off."""
+    """patch() leaves MTP on CUDA on (the default); patch(allow_mtp_cuda=False) turns it off in
+    the option, the environment the worker processes read (VLLM_GDN_REPLAYSSM_MTP_CUDA) and
+    status(), and a later patch() turns it back on."""
     import replayssm_patch
 
     for var in ("VLLM_GDN_REPLAYSSM", "VLLM_GDN_REPLAYSSM_MTP_CUDA"):
         monkeypatch.delenv(var, raising=False)
-    report = replayssm_patch.patch(allow_mtp_cuda=True)
+    report = replayssm_patch.patch()
     assert report["applied"], report
     assert report["options"]["allow_mtp_cuda"] is True
     assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
-    assert options.from_env().allow_mtp_cuda  # what the plugin reads in vLLM's other processes
-    assert clean_patch_state._state["options"].allow_mtp_cuda
     assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is True
-    replayssm_patch.patch()
+    report = replayssm_patch.patch(allow_mtp_cuda=False)
+    assert report["applied"], report
+    assert report["options"]["allow_mtp_cuda"] is False
     assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
+    assert not options.from_env().allow_mtp_cuda  # what the plugin reads in vLLM's other processes
+    assert not clean_patch_state._state["options"].allow_mtp_cuda
     assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is False
+    replayssm_patch.patch()
+    assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
+    assert options.from_env().allow_mtp_cuda
+    assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is True
 
 
 def test_apply_and_revert_restore_vllm(clean_patch_state):
@@ -306,70 +315,87 @@ def _mtp_config(T=3, **over):
                           "speculative_config": SimpleNamespace(num_speculative_tokens=T, method="mtp"), **over})
 
 
-def test_spec_reasons_cuda_refused_unless_opted_in():
-    """On CUDA MTP stays native by default; VLLM_GDN_REPLAYSSM_MTP_CUDA=1 drops that reason
-    alone: prefix caching and other speculative methods are still refused."""
+def test_spec_reasons_cuda_served_by_default_unless_turned_off(monkeypatch):
+    """On CUDA (vLLM >= 0.32) MTP goes through the ring by default; VLLM_GDN_REPLAYSSM_MTP_CUDA=0
+    adds a reason naming the variable; prefix caching, other speculative methods and windows
+    longer than the ring stay refused either way."""
+    from replayssm_patch import versions
     from replayssm_patch.ring_plan import _spec_reasons
 
-    reasons = _spec_reasons(_mtp_config(), 3, "cuda")
-    assert len(reasons) == 1 and "speculative decoding on CUDA" in reasons[0]
-    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA=1" in reasons[0] and "not yet on a GPU" in reasons[0]
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
+    assert _spec_reasons(_mtp_config(), 3, "cuda") == []
     assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True) == []
-    align = _spec_reasons(_mtp_config(**{"cache_config.mamba_cache_mode": "align"}), 3, "cuda", allow_mtp_cuda=True)
-    assert len(align) == 1 and "prefix caching" in align[0]
-    ngram_config = _mtp_config(speculative_config=SimpleNamespace(num_speculative_tokens=3, method="ngram"))
-    ngram = _spec_reasons(ngram_config, 3, "cuda", allow_mtp_cuda=True)
-    assert len(ngram) == 1 and "speculative method 'ngram'" in ngram[0]
-    too_long = _spec_reasons(_mtp_config(), 255, "cuda", allow_mtp_cuda=True)
-    assert len(too_long) == 1 and "a verify window must fit the ring" in too_long[0]
+    off = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=False)
+    assert len(off) == 1 and "speculative decoding on CUDA" in off[0] and "turned off by the user" in off[0]
+    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA=0" in off[0] and "allow_mtp_cuda=False" in off[0]
+    assert "not yet" not in off[0] and "experimental" not in off[0]
+    assert _spec_reasons(_mtp_config(), 3, "cpu", allow_mtp_cuda=False) == []  # CUDA-only switch
+    for allow in (True, False):
+        align = _spec_reasons(_mtp_config(**{"cache_config.mamba_cache_mode": "align"}), 3, "cuda", allow_mtp_cuda=allow)
+        assert any("prefix caching" in r for r in align) and len(align) == 1 + (not allow)
+        ngram_config = _mtp_config(speculative_config=SimpleNamespace(num_speculative_tokens=3, method="ngram"))
+        ngram = _spec_reasons(ngram_config, 3, "cuda", allow_mtp_cuda=allow)
+        assert any("speculative method 'ngram'" in r for r in ngram) and len(ngram) == 1 + (not allow)
+        too_long = _spec_reasons(_mtp_config(), 255, "cuda", allow_mtp_cuda=allow)
+        assert any("a verify window must fit the ring" in r for r in too_long) and len(too_long) == 1 + (not allow)
 
 
-def test_mtp_cuda_opt_in_refused_before_vllm_032(monkeypatch):
-    """vLLM 0.31 keeps plain decode rows beside verify rows in FULL-graph batches: the opt-in
-    does not cover it (its commit tensors are not persistent buffers)."""
+def test_mtp_cuda_refused_before_vllm_032(monkeypatch):
+    """vLLM 0.31 keeps plain decode rows beside verify rows in FULL-graph batches: MTP on CUDA
+    stays native there even with the default on (its commit tensors are not persistent buffers)."""
     from replayssm_patch import versions
     from replayssm_patch.ring_plan import _spec_reasons
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.31.0")
-    reasons = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True)
-    assert len(reasons) == 1 and "vLLM < 0.32" in reasons[0] and "persistent commit buffers" in reasons[0]
-    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
-    assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True) == []
+    for kwargs in ({}, {"allow_mtp_cuda": True}):
+        reasons = _spec_reasons(_mtp_config(), 3, "cuda", **kwargs)
+        assert len(reasons) == 1 and "vLLM < 0.32" in reasons[0] and "persistent commit buffers" in reasons[0]
+    off = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=False)
+    assert len(off) == 1 and "VLLM_GDN_REPLAYSSM_MTP_CUDA=0" in off[0]
+    for version in ("0.32.0", "0.33.0"):
+        monkeypatch.setattr(versions, "installed_vllm_version", lambda v=version: v)
+        assert _spec_reasons(_mtp_config(), 3, "cuda") == []
 
 
-def test_cuda_mtp_stays_native_unless_allowed(monkeypatch, caplog):
-    """plan_for on (faked) CUDA: MTP refused by default, served with the opt-in (ring sized
-    for the window), and the layer's plan logs an "experimental" warning once."""
+def test_cuda_mtp_served_by_default_unless_turned_off(monkeypatch, caplog):
+    """plan_for on (faked) CUDA: MTP served by default (ring sized for the window) with one INFO
+    line, no warning; VLLM_GDN_REPLAYSSM_MTP_CUDA=0 keeps it native with the reason logged."""
     import logging
 
     from vllm.platforms import current_platform
 
-    from replayssm_patch import kernels, model_hooks, patching
+    from replayssm_patch import kernels, model_hooks, patching, versions
     from replayssm_patch.ring_plan import plan_for
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False, raising=False)
     monkeypatch.setattr(kernels, "gpu_kernels_available", lambda: (True, ""))
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
     plan, reasons = plan_for(_mtp_config(7), ON)
-    assert plan is None and reasons and "speculative decoding on CUDA" in reasons[0]
-    opted = options.Options(enabled=True, allow_mtp_cuda=True)
-    plan, reasons = plan_for(_mtp_config(7), opted)
     assert reasons == [] and plan.spec_window == 8 and plan.ring_len == 32
-    assert plan_for(_mtp_config(7, **{"cache_config.mamba_cache_mode": "align"}), opted)[0] is None
+    turned_off = options.Options(enabled=True, allow_mtp_cuda=False)
+    plan, reasons = plan_for(_mtp_config(7), turned_off)
+    assert plan is None and reasons and "VLLM_GDN_REPLAYSSM_MTP_CUDA=0" in reasons[0]
+    assert plan_for(_mtp_config(7, **{"cache_config.mamba_cache_mode": "align"}), ON)[0] is None
 
     monkeypatch.setattr(model_hooks, "ensure", lambda cfg, extra: (True, ""))
     monkeypatch.setattr(patching, "_logged", set())
-    monkeypatch.setitem(patching._state, "options", opted)
+    monkeypatch.setitem(patching._state, "options", ON)
     monkeypatch.setattr(patching.logger, "propagate", True)
-    with caplog.at_level(logging.WARNING, logger=patching.logger.name):
+    with caplog.at_level(logging.INFO, logger=patching.logger.name):
         assert patching.current_plan(_mtp_config(7))[0] is not None
         patching.current_plan(_mtp_config(7))
-    warned = [r for r in caplog.records if "experimental: MTP" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
-    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA" in warned[0].getMessage()
+    served = [r for r in caplog.records if "MTP speculative decoding (T=7) goes through the ring on CUDA"
+              in r.getMessage()]
+    assert len(served) == 1 and served[0].levelno == logging.INFO
+    assert "one state slot per request" in served[0].getMessage()
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records if r.name == patching.logger.name)
+    assert not any("experimental" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    monkeypatch.setitem(patching._state, "options", ON)
-    with caplog.at_level(logging.WARNING, logger=patching.logger.name):
-        assert patching.current_plan(_mtp_config(7))[0] is None  # refused, reason logged, no warning
-    assert not any("experimental: MTP" in r.getMessage() for r in caplog.records)
-    assert any("speculative decoding on CUDA" in r.getMessage() for r in caplog.records)
+    monkeypatch.setitem(patching._state, "options", turned_off)
+    with caplog.at_level(logging.INFO, logger=patching.logger.name):
+        assert patching.current_plan(_mtp_config(7))[0] is None  # refused, reason logged
+    assert not any("goes through the ring on CUDA" in r.getMessage() for r in caplog.records)
+    refused = [r for r in caplog.records if "speculative decoding on CUDA" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING
+    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA=0" in refused[0].getMessage()
