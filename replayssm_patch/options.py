@@ -84,13 +84,19 @@ def check_ring_dtype(name: str, value: str) -> str:
 
 
 def from_env(environ=None) -> Options:
-    """Read the options from the environment; raises OptionError naming the bad variable."""
+    """Read the options from the environment; raises OptionError naming the bad variable.
+    A variable that is unset or blank takes its default."""
     env = os.environ if environ is None else environ
+
+    def get(name: str, default: str) -> str:
+        value = env.get(name, "")
+        return value if value.strip() else default
+
     return Options(
-        enabled=parse_bool(ENV_ENABLE, env.get(ENV_ENABLE, "0")),
-        ring_len=check_ring_len(ENV_RING, env.get(ENV_RING, str(DEFAULT_RING_LEN))),
-        strict=parse_bool(ENV_STRICT, env.get(ENV_STRICT, "0")),
-        ring_dtype=check_ring_dtype(ENV_RING_DTYPE, env.get(ENV_RING_DTYPE, "auto")),
-        allow_16bit_state=parse_bool(ENV_16BIT_STATE, env.get(ENV_16BIT_STATE, "0")),
-        allow_mtp_cuda=parse_bool(ENV_MTP_CUDA, env.get(ENV_MTP_CUDA, "1")),
+        enabled=parse_bool(ENV_ENABLE, get(ENV_ENABLE, "0")),
+        ring_len=check_ring_len(ENV_RING, get(ENV_RING, str(DEFAULT_RING_LEN))),
+        strict=parse_bool(ENV_STRICT, get(ENV_STRICT, "0")),
+        ring_dtype=check_ring_dtype(ENV_RING_DTYPE, get(ENV_RING_DTYPE, "auto")),
+        allow_16bit_state=parse_bool(ENV_16BIT_STATE, get(ENV_16BIT_STATE, "0")),
+        allow_mtp_cuda=parse_bool(ENV_MTP_CUDA, get(ENV_MTP_CUDA, "1")),
     )

@@ -47,6 +47,9 @@ def test_environment_defaults_and_values():
     assert native == options.Options(enabled=True, allow_mtp_cuda=False)
     assert native.to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0" and options.from_env(native.to_env()) == native
     assert options.Options().to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
+    # a blank variable (VAR= in a shell or a launcher's env file) means its default, not "off"
+    blank = {name: " " for name in options.Options().to_env()}
+    assert options.from_env(blank) == options.Options()
 
 
 @pytest.mark.parametrize("kwargs,name", [
