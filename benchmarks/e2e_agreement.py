@@ -70,12 +70,30 @@ RING_COUNTERS = ("verify_calls", "verify_windows", "verify_committed", "verify_f
                  "commit_calls", "decode_calls", "flushes", "reset_calls", "poisoned_slots")
 
 
-def build_model(workdir: str, checkpoint: str, mtp: int = 0, heads: tuple[int, int] | None = None) -> str:
-    """The checkpoint directory (built once, then reused from workdir/models); `heads` =
-    (GDN key heads, GDN value heads) replaces the tiny model's (2, 4)."""
+OUT_PROJ = "linear_attn.out_proj.weight"
+
+
+def checkpoint_kwargs(checkpoint: str, mtp: int = 0, heads: tuple[int, int] | None = None) -> dict:
+    """build_tiny_model's arguments. `heads` = (GDN key heads, GDN value heads) replaces the
+    tiny model's (2, 4); a GDN out_proj factor is then scaled by sqrt(4 / value heads), so the
+    GDN branch keeps the output magnitude of the 4-value-head checkpoint (out_proj sums
+    value heads x 128 inputs). Unscaled, 48 value heads make the GDN branch ~3.5x louder and
+    the logits near-flat: on CPU, TP=1, 16 x 128 tokens, that checkpoint gave 6/16 requests
+    identical (native vs native 16/16), the scaled one 16/16 (native vs native 16/16), and its
+    GDN state still decides tokens (zeroing it in transformers changes 5 of 8 generations
+    within 256 tokens)."""
     kwargs = dict(MTP_CHECKPOINT if mtp else CHECKPOINTS[checkpoint])
     if heads:
         kwargs.update(linear_num_key_heads=heads[0], linear_num_value_heads=heads[1])
+        if OUT_PROJ in kwargs.get("weight_scale", {}):
+            ws = dict(kwargs["weight_scale"])
+            ws[OUT_PROJ] = ws[OUT_PROJ] * (4 / heads[1]) ** 0.5
+            kwargs["weight_scale"] = ws
+    return kwargs
+
+
+def build_model(workdir: str, kwargs: dict) -> str:
+    """The checkpoint directory (built once, then reused from workdir/models)."""
     return str(build_tiny_model(os.path.join(workdir, "models"), "qwen3_5", **kwargs))
 
 
@@ -204,7 +222,8 @@ def main() -> None:
     prefix = f"{args.tag}_" if args.tag else ""
     label = f"[{args.tag}] " if args.tag else ""
     workdir = args.workdir or tempfile.mkdtemp(prefix="replayssm-e2e-")
-    model = build_model(workdir, args.checkpoint, args.mtp, heads)
+    ckpt_kwargs = checkpoint_kwargs(args.checkpoint, args.mtp, heads)
+    model = build_model(workdir, ckpt_kwargs)
     rng = random.Random(0)
     shared = [rng.randrange(3, 1000) for _ in range(300)]
     prompts = []
@@ -247,7 +266,7 @@ def main() -> None:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "tag": args.tag,
               "checkpoint": "mtp" if args.mtp else args.checkpoint,
-              "checkpoint_kwargs": MTP_CHECKPOINT if args.mtp else CHECKPOINTS[args.checkpoint],
+              "checkpoint_kwargs": ckpt_kwargs,
               "mtp": args.mtp, "tensor_parallel_size": args.tp, "gdn_heads": heads or (2, 4),
               "model": os.path.basename(model),
               "model_dtype": MODEL_DTYPE, "requests": args.requests, "tokens": args.tokens,
