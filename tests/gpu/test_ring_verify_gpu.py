@@ -17,7 +17,9 @@ Relative error bounds (||ours - ref|| / ||ref|| over all outputs, and the state)
     fp16 state, fp16 ring     < 5e-3
 
 Plus: a CUDA graph captured over several speculative steps replays bit-identically to eager
-calls. Every test runs once per launch form (mode="parallel", the default, and "serial"). Skipped without CUDA. `RING_KERNEL_TEST_DEVICE=cpu TRITON_INTERPRET=1
+calls. Every test runs once per launch form (mode="parallel", the default, and "serial");
+test_parallel_launch_configs runs two cases at every (BV, warps) the kernel_spec sweep tries.
+Skipped without CUDA. `RING_KERNEL_TEST_DEVICE=cpu TRITON_INTERPRET=1
 RING_VERIFY_TEST_SMALL=1` dry-runs it on the CPU with small head dims (no graph test).
 """
 
@@ -117,7 +119,7 @@ class Spec:
 
 
 def run_vs_float64(H, HV, K, V, L, T, sdt, rdt, *, steps=8, seed=0, rows=6, out_dtype=F32, out_bound=None,
-                   mode=None):
+                   mode=None, config=None):
     p = Spec(H, HV, K, V, L, T, sdt, rdt, seed, rows=rows)
     worst_out = worst_state = 0.0
     flushes = 0
@@ -128,7 +130,7 @@ def run_vs_float64(H, HV, K, V, L, T, sdt, rdt, *, steps=8, seed=0, rows=6, out_
         out_ref = torch.full((ntok, HV, V), float("nan"), dtype=F64, device=DEV)
         before = p.ref["cursor"].clone()
         ring_verify(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, out, p.idx, cu,
-                    p.d, p.k, p.g, p.word, acc, p.W, mode=mode)
+                    p.d, p.k, p.g, p.word, acc, p.W, mode=mode, config=config)
         ring_spec_verify_reference(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.ref["state"], out_ref, p.idx, cu,
                                    p.ref["d"], p.ref["k"], p.ref["g"], p.ref["cursor"], p.ref["pending"], acc)
         flushes += int(((p.ref["cursor"] == 0) & (before > 0)).sum())
@@ -170,6 +172,20 @@ def test_vs_float64(name, H, HV, K, V, L, T, sdt, rdt, mode):
     info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode=mode)
     assert info["flushes"] > 0, "no flush happened"
     MEASURED[f"{name}[{mode}]"] = info
+
+
+# every launch the kernel_spec sweep tries for the parallel form, so a faster one can become the
+# default with its correctness already shown
+LAUNCHES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
+
+
+@pytest.mark.parametrize("config", LAUNCHES, ids=[f"bv{c[0]}_w{c[1]}" for c in LAUNCHES])
+@pytest.mark.parametrize("name,H,HV,K,V,L,T,sdt,rdt", CASES[:2], ids=[c[0] for c in CASES[:2]])
+def test_parallel_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, config):
+    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode="parallel",
+                          config=config)
+    assert info["flushes"] > 0, "no flush happened"
+    MEASURED[f"{name}[parallel {config}]"] = info
 
 
 @pytest.mark.parametrize("mode", MODES)
