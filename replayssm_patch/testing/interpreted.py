@@ -37,6 +37,11 @@ def collect(script: str, timeout: float = 600) -> dict:
     """Run `script` under the interpreter; {case name: record}. Raises RuntimeError with the
     subprocess's output when it produced no result at all (a crash before the first check)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    # the kernels of the tree the test file belongs to (tests/ beside replayssm_patch/), not
+    # whichever checkout the environment's editable install points at (another worktree, say)
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(script)))
+    if os.path.isdir(os.path.join(tree, "replayssm_patch")):
+        env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run([sys.executable, os.path.abspath(script)], env=env, capture_output=True,
                           text=True, timeout=timeout)
     results = {}
