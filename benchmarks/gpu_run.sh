@@ -20,7 +20,8 @@
 #     llm.wake_up() before each weight reload; summaries to $OUT/grpo_sleep1.json, grpo_sleep2.json
 #
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
-#     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, per-rank
+#     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
+#     control at max_num_seqs 8, per-rank
 #     ring checks), then e2e_decode.py --tp 2 at batch 64 and 256 (AB), to $OUT/e2e_agreement_tp2.json,
 #     $OUT/e2e_decode_tp2.json + logs
 #
@@ -79,7 +80,7 @@ case "${1:?step}" in
   tp2)
     rc=0
     python3 benchmarks/e2e_agreement.py --tp 2 --gdn-heads 16,48 --tag tp2 --out "$OUT/e2e_agreement_tp2.json" \
-      --workdir /tmp/tp2 --states float32 --no-control 2>&1 | tail -20 || rc=1
+      --workdir /tmp/tp2 --states float32 2>&1 | tail -20 || rc=1
     cp /tmp/tp2/*.log "$OUT/" 2>/dev/null || true
     python3 benchmarks/e2e_decode.py --tp 2 --gdn-heads 16,48 --batches 64,256 --order AB --repeats 1 \
       --cudagraph-mode FULL_DECODE_ONLY --compile-mode 0 --out "$OUT/e2e_decode_tp2.json" 2>&1 | tail -20 || rc=1
