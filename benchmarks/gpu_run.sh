@@ -21,9 +21,8 @@
 #
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
-#     control at max_num_seqs 8, per-rank
-#     ring checks), then e2e_decode.py --tp 2 at batch 64 and 256 (AB), to $OUT/e2e_agreement_tp2.json,
-#     $OUT/e2e_decode_tp2.json + logs
+#     control at max_num_seqs 8, per-rank ring checks), then e2e_decode.py --tp 2 at batch 64 and
+#     256 (AB), to $OUT/e2e_agreement_tp2.json, $OUT/e2e_decode_tp2.json + logs
 #
 # A machine is given back after 30 s without a call, and a command's processes end with it
 # unless started in a new session: `bg` starts a step that outlives its call, `jobs` waits for
