@@ -254,7 +254,7 @@ def main() -> None:
     spec = {"model": model, "ring_len": args.ring_len}
     native = run_arm(dict(spec, patched=False, engines=engines + controls), workdir, f"{prefix}native", env)
     if args.mtp or args.tp > 1:  # enabled the way a user would: the environment, which the plugin
-        # reads in every process vLLM starts (workers too); MTP with the experimental opt-in
+        # reads in every process vLLM starts (workers too); MTP with its CUDA switch set explicitly
         patched_env = dict(env, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(args.ring_len),
                            VLLM_GDN_REPLAYSSM_STRICT="1", VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
         if args.mtp:

@@ -106,8 +106,9 @@ def arm(args) -> None:
         print(f"[{'patched' if args.patched else 'native'}] batch {b}: step {1e3 * decode / steps:.3f} ms, "
               f"{b * steps / decode:.0f} tok/s aggregate", flush=True)
     if args.mtp:  # vLLM's speculative-decoding counters over the whole arm (all batch sizes)
-        res["spec_decode"] = {m.name[len("vllm:spec_decode_"):]: (list(m.values) if hasattr(m, "values") else m.value)
-                              for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_")}
+        from replayssm_patch.testing.engine_runner import spec_decode_metrics
+
+        res["spec_decode"] = spec_decode_metrics(llm)
     print("RESULT_JSON " + json.dumps(res), flush=True)
 
 
@@ -216,9 +217,10 @@ def finish(args, runs):
         table[b] = row
         print(f"batch {b}: native {agg_n:.0f} tok/s, patched {agg_p:.0f} tok/s, x{agg_p / agg_n:.3f}"
               + (f", Amdahl bound x{row['amdahl_bound']:.3f}" if "amdahl_bound" in row else ""), flush=True)
+    config = model_config(args)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in ("arm", "model")},
-              "model": "Qwen3.5-9B-shaped dense (dummy weights): " + json.dumps({k: model_config(args)[k] for k in (
+              "model": "Qwen3.5-9B-shaped dense (dummy weights): " + json.dumps({k: config[k] for k in (
                   "hidden_size", "num_hidden_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim")}),
               "order": "".join("A" if r["arm"] == "native" else "B" for r in runs),
               "runs": runs, "table": table,

@@ -55,8 +55,9 @@ case "${1:?step}" in
   smoke)
     python3 benchmarks/e2e_agreement.py --out "$OUT/smoke.json" --requests 4 --tokens 48 --states float32 --no-control --workdir /tmp/smoke 2>&1 | tail -20 ;;
   agree)  # decisive checkpoint, fp32 SSM state, with the native-vs-native control
+    rc=0  # the logs are copied even when the run fails; the step fails at the end
     python3 benchmarks/e2e_agreement.py --tag decisive --out "$OUT/e2e_agreement_decisive.json" --workdir /tmp/agree \
-      --checkpoint decisive --states float32 2>&1 | tail -20; rc=${PIPESTATUS[0]}
+      --checkpoint decisive --states float32 2>&1 | tail -20 || rc=1
     cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true
     exit $rc ;;
   mtp)  # MTP through the ring on CUDA, T=3 then T=7
@@ -92,14 +93,15 @@ case "${1:?step}" in
       > /tmp/jobs/$name.log 2>&1; echo \$? > /tmp/jobs/$name.rc" < /dev/null > /dev/null 2>&1 &
     echo "started $name on GPU(s) $gpus: $*" ;;
   jobs)
-    end=$((SECONDS + ${2:?seconds}))
+    end=$((SECONDS + ${2:?seconds})); mkdir -p /tmp/jobs /tmp/res
     while [ $SECONDS -lt $end ]; do
       running=0
-      for f in /tmp/jobs/*.log; do [ -e "${f%.log}.rc" ] || running=1; done
+      for f in /tmp/jobs/*.log; do [ -e "$f" ] && [ ! -e "${f%.log}.rc" ] && running=1; done
       [ $running = 0 ] && break
       sleep 5
     done
     for f in /tmp/jobs/*.log; do
+      [ -e "$f" ] || continue
       n=$(basename "$f" .log); echo "== $n rc=$(cat /tmp/jobs/$n.rc 2>/dev/null || echo running)"; tail -6 "$f"
     done
     tar czf "$OUT/jobs.tgz" -C /tmp jobs res ;;

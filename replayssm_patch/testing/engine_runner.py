@@ -84,7 +84,7 @@ def _preemptions(llm) -> int | None:
     return 0
 
 
-def _spec_decode_metrics(llm) -> dict | None:
+def spec_decode_metrics(llm) -> dict | None:
     """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens, accepted
     per draft position), or None when the engine has none."""
     out = {}
@@ -157,7 +157,7 @@ def main(spec_path: str) -> None:
                 o.request_id = str(i)
         entry = {"requests": _collect(outs), "preemptions": _preemptions(llm)}
         if eng["engine"].get("speculative_config"):
-            entry["spec_decode"] = _spec_decode_metrics(llm)
+            entry["spec_decode"] = spec_decode_metrics(llm)
             entry["gdn_cache"] = _gdn_cache_bytes(llm)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
             per_rank = llm.apply_model(_gdn_layers_info)
