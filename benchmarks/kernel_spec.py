@@ -311,6 +311,65 @@ def time_cell(native_fn, B, T, dev):
             "ours_outputs_finite": bool(ok)}
 
 
+def copy_bandwidth_Bps(dev, nbytes=1 << 30):
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 10."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).normal_()
+    dst = torch.empty_like(src)
+    ts = []
+    for _ in range(11):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    return 2 * nbytes / statistics.median(ts[1:])
+
+
+def profile_cells(native_fn, dev, out_dir, cells=((8, 256), (4, 16))):
+    """Where a verify step's time goes: device time per kernel (torch profiler, eager launches
+    after warm-up) for ours and native, and what the bytes each arm must move would cost at the
+    measured copy bandwidth (the memory roofline)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bw = copy_bandwidth_Bps(dev)
+    rows = []
+    for T, B in cells:
+        ours, nat = cell_layers(B, T, dev)
+        table = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
+        arms = {"ours": (arm_steps(ours, table, lambda lay, acc: lay.ours(acc)), len(ours)),
+                "native": (arm_steps(nat, table, lambda lay, acc: lay.native(native_fn, acc)), len(nat))}
+        cell = {"T": T, "B": B, "copy_bandwidth_TBps": bw / 1e12}
+        for name, (fn, nl) in arms.items():
+            fn()  # compile and settle the cursors
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            per_kernel = {}
+            for ev in prof.key_averages():
+                t = getattr(ev, "device_time_total", None)
+                if t is None:
+                    t = ev.cuda_time_total
+                if t > 0 and ev.count > 0:
+                    per_kernel[ev.key] = round(t / (STEPS * nl), 2)
+            cell[name] = {"us_per_layer_step_by_kernel": per_kernel,
+                          "us_per_layer_step": round(sum(per_kernel.values()), 2),
+                          "roofline_us": round(bytes_per_layer(B, T, name) / bw * 1e6, 2)}
+        rows.append(cell)
+        print(json.dumps(cell), flush=True)
+        ours.clear(), nat.clear()
+        torch.cuda.empty_cache()
+    path = os.path.join(out_dir, "kernel_spec_profile.json")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cells": rows,
+                   "note": "eager launches under torch.profiler; kernel names as the profiler reports them"},
+                  f, indent=1)
+    print("wrote", path)
+
+
 def sweep(native_fn, dev, out_dir):
     """Launch configurations (BV, num_warps) of the parallel form at a few cells, native in the
     same graphs' rotation; prints one line per variant and writes kernel_spec_sweep.json."""
@@ -420,6 +479,8 @@ def main(argv=None):
                     help="launch config of the parallel form (default: ring_verify's)")
     ap.add_argument("--sweep", action="store_true",
                     help="time the parallel form's launch configs at a few cells, then stop")
+    ap.add_argument("--profile", action="store_true",
+                    help="device time per kernel and the memory roofline at T=8/B=256 and T=4/B=16, then stop")
     args = ap.parse_args(argv)
     global PARALLEL_CONFIG
     if args.parallel_config:
@@ -439,6 +500,9 @@ def main(argv=None):
     err = sanity(native_fn, dev)
     if args.sweep:
         sweep(native_fn, dev, args.out_dir)
+        return 0
+    if args.profile:
+        profile_cells(native_fn, dev, args.out_dir)
         return 0
     err_s = sanity(native_fn, dev, mode="serial")
     print(f"sanity: ours vs native max rel output diff {err:.2e} (serial form {err_s:.2e})", flush=True)
