@@ -20,9 +20,10 @@ Two launch forms (`mode`), same semantics, same call:
 * "parallel" (default): three launches on one stream.
   1. prep, per (row, key head): everything per token that the key head's value heads and value
      blocks share -- the q/k normalisation factors, the dot products of q_t and k_t with the
-     committed keys the verify replays (k_j . q_t, k_j . k_t) and with the window's keys
-     (k_u . q_t, k_u . k_t), and the gates alpha_t, beta_t of each value head of the group --
-     into a small fp32 scratch (`gram`, [rows, H, WP, row width]).
+     keys as the ring will hold them after this step (k_p . q_t, k_p . k_t: the committed keys
+     the verify replays at their positions, the window's key k_u at position n + u, or u after
+     a flush), and the gates alpha_t, beta_t of each value head of the group -- into a small
+     fp32 scratch (`gram`, [rows, H, WP, row width]).
   2. main, per (row, value head, block of BV value rows) -- batch x HV x V/BV programs of one
      warp, as vLLM's native spec kernel: rows of the state are independent given those
      numbers, so each program runs the row's whole window for its BV rows with the checkpoint
@@ -64,9 +65,11 @@ u < t):
 The serial kernel forms S_c q_t, S_c k_t and the committed entries' part for all tokens at once
 as tl.dot products (fp32, input_precision="ieee", never tf32) and applies the window's own
 entries token by token; a flush is one [BV, n] x [n, K] product. The parallel main kernel works
-token by token in fp32 mat-vecs (S_c x from the tile, the key-side dot products from prep),
-with running weights: exp(Gamma_t), exp(Gamma_t - G_j) and exp(Gamma_t - Gamma_u) are each
-multiplied by alpha_t per step instead of recomputed; a flush is rank-1 updates, as in
+token by token in fp32 mat-vecs (S_c x from the tile, the key-side dot products from prep)
+over one ring tile of d entries -- the committed ones it replays and the window's d_u, each at
+its ring position, filled in as the window goes -- with running weights: exp(Gamma_t) and one
+vector of exp(Gamma_t - G_p) over the ring positions (G_p = Gamma_u for the window's entries)
+are multiplied by alpha_t per step instead of recomputed; a flush is rank-1 updates, as in
 ring_decode. (tl.dot forms of the parallel kernels, fp32 "ieee" or "tf32x3", measured
 0.03-0.62x native on an H200: small tiles cost up to 255 registers and 1 block per SM.) Both
 forms store the flushed tile in the state dtype and continue from the stored (rounded)
@@ -280,16 +283,17 @@ def _ring_verify_prep_kernel(
     MAXT: tl.constexpr, HAS_ACC: tl.constexpr, L2NORM: tl.constexpr,
 ):
     # Program = (row, key head): everything per token that the key head's value heads and value
-    # blocks share, computed once. Row t of gram[row, i_h] (RW floats):
-    #   [q_t.k_j (LP) | k_t.k_j (LP) | q_t.k_u (WP) | k_t.k_u (WP) | q scale, k scale, pad |
-    #    alpha_t per value head of the group (GP) | beta_t per value head (GP)]
+    # blocks share, computed once. The keys are taken as the ring will hold them after this
+    # step: positions p < n_w the committed keys the verify replays, p = n_w + u the window's
+    # key k_u. Row t of gram[row, i_h] (RW floats):
+    #   [q_t.k_p (LP) | k_t.k_p (LP) | q scale, k scale | alpha_t per value head of the group
+    #    (GP) | beta_t per value head (GP) | pad]
     # with q_t, k_t normalised (q scale = scale / |q_t|, k scale = 1 / |k_t| multiply the raw
-    # vectors), j over the committed entries the verify replays, u over the window.
+    # vectors).
     pid = tl.program_id(0)
     i_h = pid % H
     row = (pid // H).to(tl.int64)
     o_k = tl.arange(0, BK)
-    o_w = tl.arange(0, WP)
     o_l = tl.arange(0, LP)
     m_k = o_k < K
 
@@ -297,28 +301,28 @@ def _ring_verify_prep_kernel(
     if slot <= 0:
         return
     lo, W = _row_window(cu, row, MAXT)
-    m_w = o_w < W
-    tok = lo + o_w
 
     # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
     word = tl.load(cursor + slot)
     n = _committed_count(word, acc, row, stride_acc, L, HAS_ACC)
     n_w = tl.where(n + W > L, 0, n)  # committed entries the verify replays (none after a flush)
 
-    p_x = qkv + tok[:, None] * stride_qkv
-    Kt = tl.load(p_x + H * K + i_h * K + o_k[None, :], mask=m_w[:, None] & m_k[None, :],
-                 other=0.0).to(tl.float32)
+    in_win = (o_l >= n_w) & (o_l < n_w + W)  # ring positions of the window's entries
+    u = tl.where(in_win, o_l - n_w, 0)
+    Kw = tl.load(qkv + (lo + u)[:, None] * stride_qkv + H * K + i_h * K + o_k[None, :],
+                 mask=in_win[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     if L2NORM:
-        Kt = Kt / tl.sqrt(tl.sum(Kt * Kt, 1) + 1e-6)[:, None]
+        Kw = Kw / tl.sqrt(tl.sum(Kw * Kw, 1) + 1e-6)[:, None]
     rk = tl.load(ring_k + slot * slot_stride_k + i_h * (L * K) + o_l[:, None] * K + o_k[None, :],
-                 mask=(o_l < n_w)[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [LP, BK]
+                 mask=(o_l < n_w)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    Kc = rk + Kw  # [LP, BK]: disjoint rows
     GROUP: tl.constexpr = HV // H
     o_g = tl.arange(0, GP)
     m_g = o_g < GROUP
     hvs = i_h * GROUP + o_g
     A_g = tl.load(A_log + hvs, mask=m_g, other=0.0).to(tl.float32)
     dtb_g = tl.load(dt_bias + hvs, mask=m_g, other=0.0).to(tl.float32)
-    X0: tl.constexpr = 2 * LP + 2 * WP  # where the per-token scalars start
+    X0: tl.constexpr = 2 * LP  # where the per-token scalars start
     # One token at a time as fp32 mat-vecs (tl.dot on these small tiles needs far more
     # registers than the work is worth).
     p_g = gram + (row * H + i_h) * (WP * RW)
@@ -335,10 +339,8 @@ def _ring_verify_prep_kernel(
         q_t = q_t * sq
         k_t = k_t * sk
         row_g = p_g + t * RW
-        tl.store(row_g + o_l, tl.sum(rk * q_t[None, :], 1))
-        tl.store(row_g + LP + o_l, tl.sum(rk * k_t[None, :], 1))
-        tl.store(row_g + 2 * LP + o_w, tl.sum(Kt * q_t[None, :], 1))
-        tl.store(row_g + 2 * LP + WP + o_w, tl.sum(Kt * k_t[None, :], 1))
+        tl.store(row_g + o_l, tl.sum(Kc * q_t[None, :], 1))
+        tl.store(row_g + LP + o_l, tl.sum(Kc * k_t[None, :], 1))
         tl.store(row_g + X0, sq)
         tl.store(row_g + X0 + 1, sk)
         a_g = tl.load(a + tt * stride_a + hvs, mask=m_g, other=0.0).to(tl.float32)
@@ -417,20 +419,21 @@ def _ring_verify_block_kernel(
         tl.store(p_s, S, mask=m_kv)
         S = S.to(tl.float32)
         tl.debug_barrier()  # every lane has read the d entries the window overwrites
-    rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live_v[:, None] & m_v[None, :], other=0.0)
-    rd = rd.to(tl.float32)  # [LP, BV]
+    # The ring's d entries as they will be after this step, filled as the window goes: the
+    # committed ones the verify replays now, the window's d_u at n_w + u once computed.
+    R = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live_v[:, None] & m_v[None, :], other=0.0)
+    R = R.to(tl.float32)  # [LP, BV]
 
     # Token by token (d_t depends on d_u, u < t), the key-side dot products from gram:
-    #   S_{t-1} x = e_t S_c x + sum_{j<n} wc_j d_j (k_j . x) + sum_{u<t} ww_u d_u (k_u . x)
-    # (x = q_t or k_t, the decay of token t folded in as the recurrence's alpha_t S_{t-1}) with
-    # running weights e_t = exp(Gamma_t), wc_j = exp(Gamma_t - G_j), ww_u = exp(Gamma_t - Gamma_u),
-    # each step multiplied by alpha_t = exp(g_t).
+    #   S_{t-1} x = e_t S_c x + sum_{p < n_w + t} w_p d_p (k_p . x)
+    # over the ring positions p (committed entries, then the window's earlier tokens), with x =
+    # q_t or k_t (the decay of token t folded in as the recurrence's alpha_t S_{t-1}) and running
+    # weights e_t = exp(Gamma_t), w_p = exp(Gamma_t - G_p), multiplied by alpha_t each step;
+    # positions not filled yet hold d = 0 and weight 0.
     e_t = tl.exp(tl.where(flush, 0.0, G_n))
-    wc = tl.where(live_v, tl.exp(tl.where(flush, 0.0, G_n) - Gc), 0.0)  # [LP]
-    ww = tl.zeros([WP], dtype=tl.float32)
-    Dw = tl.zeros([WP, BV], dtype=tl.float32)  # window entries d_u (rows u < t set)
+    w = tl.where(live_v, tl.exp(tl.where(flush, 0.0, G_n) - Gc), 0.0)  # [LP]
     p_gr = gram + (row * H + i_h) * (WP * RW)
-    X0: tl.constexpr = 2 * LP + 2 * WP
+    X0: tl.constexpr = 2 * LP
     i_g = hv % GROUP
     p_q = qkv + i_h * K + o_k
     p_k = qkv + H * K + i_h * K + o_k
@@ -445,22 +448,20 @@ def _ring_verify_block_kernel(
         alpha = tl.load(row_g + X0 + 2 + i_g)
         beta_t = tl.load(row_g + X0 + 2 + GP + i_g)
         e_t = e_t * alpha
-        wc = wc * alpha
-        ww = ww * alpha
-        cq = wc * tl.load(row_g + o_l)
-        ck = wc * tl.load(row_g + LP + o_l)
-        wq = ww * tl.load(row_g + 2 * LP + o_w)
-        wk = ww * tl.load(row_g + 2 * LP + WP + o_w)
-        kq_t = tl.load(row_g + 2 * LP + t)  # q_t . k_t
-        sq = e_t * tl.sum(S * q_t[:, None], 0) + tl.sum(rd * cq[:, None], 0) + tl.sum(Dw * wq[:, None], 0)
-        sk = e_t * tl.sum(S * k_t[:, None], 0) + tl.sum(rd * ck[:, None], 0) + tl.sum(Dw * wk[:, None], 0)
+        w = w * alpha
+        cq = w * tl.load(row_g + o_l)
+        ck = w * tl.load(row_g + LP + o_l)
+        kq_t = tl.load(row_g + n_w + t)  # q_t . k_t
+        sq = e_t * tl.sum(S * q_t[:, None], 0) + tl.sum(R * cq[:, None], 0)
+        sk = e_t * tl.sum(S * k_t[:, None], 0) + tl.sum(R * ck[:, None], 0)
         d = beta_t * (v_t - sk)
         o = sq + d * kq_t
         tl.store(p_o + tt * (HV * V), o.to(out.dtype.element_ty), mask=m_v)
         tl.store(p_dr + (n_w + t) * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
         # later tokens use d unrounded, as the sequential recurrence does
-        Dw = tl.where((o_w == t)[:, None], d[None, :], Dw)
-        ww = tl.where(o_w == t, 1.0, ww)
+        here = o_l == n_w + t
+        R = tl.where(here[:, None], d[None, :], R)
+        w = tl.where(here, 1.0, w)
 
 
 @triton.jit
@@ -552,9 +553,11 @@ def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tup
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     if mode == "parallel":
-        # one warp per 16 value rows, as native's many small programs: the fastest of 6 configs
-        # at every (T, batch) measured on an H200 (benchmarks/results/kernel_spec_sweep.md)
-        return 16, 1
+        # one warp per 8 value rows: with the combined ring tile, the fastest of 6 configs at all
+        # three cells swept on an H200 (1.52x / 1.45x / 1.22x native at (T=8, B=256) / (8, 64) /
+        # (4, 16); 1.47 / 1.39 / 1.05x at (16, 1); the previous kernel 1.42 / 1.38 / 1.05x at its
+        # (16, 1)): benchmarks/results/kernel_spec_sweep.md, "Experimental combined-ring main kernel"
+        return 8, 1
     bv = 32 if V >= 32 else max(16, triton.next_power_of_2(V))
     return bv, 4
 
@@ -643,7 +646,7 @@ def ring_verify(
         # Key-side dot products per (row, key head), in a scratch that under CUDA-graph capture
         # comes from the graph's memory pool.
         GP = triton.next_power_of_2(HV // H)
-        RW = 2 * LP + 2 * WP + triton.next_power_of_2(2 + 2 * GP)  # gram row (see the prep kernel)
+        RW = 2 * LP + triton.next_power_of_2(2 + 2 * GP)  # gram row (see the prep kernel)
         gram = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
         _ring_verify_prep_kernel[(N * H,)](
             mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, acc_arg, ring_k, cursor, gram,
