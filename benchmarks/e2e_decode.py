@@ -12,7 +12,8 @@ time to first token are excluded.
 
 `--tp N` runs both arms with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
 (16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
-with T drafts to both arms (prefix caching off in both; with dummy weights drafts are rarely
+with T drafts to both arms (the patched arm opts in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1, as MTP
+on CUDA stays native by default; prefix caching off in both; with dummy weights drafts are rarely
 accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
 counters are recorded per arm).
 
@@ -65,7 +66,10 @@ def arm(args) -> None:
     if args.patched:
         import replayssm_patch
 
-        report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype)
+        # MTP on CUDA goes through the ring only when opted in (VLLM_GDN_REPLAYSSM_MTP_CUDA=1,
+        # set in this arm's environment by main(); patch() writes the option back to it)
+        report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
+                                       allow_mtp_cuda=bool(args.mtp))
         assert report["applied"], report
     from vllm import LLM, SamplingParams
 
@@ -177,12 +181,20 @@ def main() -> None:
                "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
                "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode),
                "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp)]
+        arm_env = env
+        if name == "patched" and args.mtp:  # MTP on CUDA through the ring is opt-in
+            arm_env = dict(env, VLLM_GDN_REPLAYSSM_MTP_CUDA="1")
         print(f"== arm {name}", flush=True)
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        p = subprocess.run(cmd, env=arm_env, capture_output=True, text=True)
         log = p.stdout + p.stderr
         open(os.path.join(workdir, f"{len(runs)}_{name}.log"), "w").write(log)
         if p.returncode != 0:
             raise SystemExit(f"{name} failed:\n{log[-6000:]}")
+        if name == "patched" and args.mtp and "decode through the ring" not in log:
+            # strict mode does not raise for a config that is native by default (MTP on CUDA
+            # without the opt-in): make sure the patched arm really timed the ring
+            raise SystemExit(f"patched arm: no 'decode through the ring' line (GDN layers native, "
+                             f"or VLLM_LOGGING_LEVEL above INFO):\n{log[-6000:]}")
         print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("[")), flush=True)
         res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1][12:])
         # vLLM's own cache report (KV cache size in tokens, maximum concurrency) and our ring size

@@ -20,21 +20,24 @@ OptionError = _options.OptionError
 
 
 def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict: bool = False,
-          ring_dtype: str = "auto", allow_16bit_state: bool = False, allow_mtp_cuda: bool = True) -> dict:
+          ring_dtype: str = "auto", allow_16bit_state: bool = False, allow_mtp_cuda: bool = False) -> dict:
     """Turn ReplaySSM GDN decode on (or off) for this process and the vLLM processes it starts.
 
     enable: True to serve decode through the ring, False to keep vLLM native.
     ring_len: replay entries per cache slot, 1..64; the checkpoint is written once every
         `ring_len` decode steps (default 16).
-    strict: raise instead of falling back to vLLM's native decode with a logged reason.
+    strict: raise instead of falling back to vLLM's native decode with a logged reason. A
+        config that stays native only because an opt-in is off (MTP on CUDA without
+        `allow_mtp_cuda`) is the default, not a fallback: logged at INFO, never raised.
     ring_dtype: dtype of the ring's d/k entries: "auto" (fp32 for an fp32 SSM state, else the
         activation dtype), "activation" (always the activation dtype: half the ring bytes) or
         "float32".
     allow_16bit_state: on CUDA, also serve bf16/fp16 SSM states (off by default: the ring
         kernel is slower than vLLM's native decode there at small batches).
-    allow_mtp_cuda: on CUDA, also serve MTP speculative decoding through the ring (on by
-        default; vLLM >= 0.32, validated end to end on an H200 with vLLM 0.33.0). False keeps
-        vLLM's native speculative path on CUDA.
+    allow_mtp_cuda: on CUDA (vLLM >= 0.32), also serve MTP speculative decoding through the
+        ring. Off by default: measured end to end it is slower than vLLM 0.33's fused CUDA MTP
+        kernel in most configs; opt in for the GDN cache memory it saves (one state slot per
+        request instead of 1+T). CPU serves MTP through the ring either way.
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """

@@ -43,7 +43,7 @@ def doctor(argv: list[str]) -> int:
         ring_len=opts_mod.check_ring_len("--ring-len", args.ring_len) if args.ring_len else env_opts.ring_len,
         ring_dtype=opts_mod.check_ring_dtype("--ring-dtype", args.ring_dtype or env_opts.ring_dtype),
         # the environment's switches count, as they would in an engine started from this shell
-        # (VLLM_GDN_REPLAYSSM_MTP_CUDA defaults to on; =0 keeps MTP on CUDA native)
+        # (VLLM_GDN_REPLAYSSM_MTP_CUDA defaults to off: MTP on CUDA stays native unless =1)
         allow_16bit_state=env_opts.allow_16bit_state,
         allow_mtp_cuda=env_opts.allow_mtp_cuda,
     )

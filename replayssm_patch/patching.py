@@ -151,14 +151,18 @@ def current_plan(vllm_config):
     arch = getattr(vllm_config.model_config, "architecture", "model")
     if plan is None:
         msg = f"replayssm_patch: {arch} GDN layers use vLLM's native decode: " + "; ".join(reasons)
-        if options.strict and options.enabled:
+        if ring_plan.only_by_choice(reasons):
+            # native by default (an opt-in is off): not a fallback, so INFO and no strict error
+            _log_once(logging.INFO, msg)
+        elif options.strict and options.enabled:
             raise PatchRefused(msg)
-        _log_once(logging.WARNING, msg)
+        else:
+            _log_once(logging.WARNING, msg)
     else:
         if plan.spec_tokens and options.allow_mtp_cuda and _platform() == "cuda":
             _log_once(logging.INFO, f"replayssm_patch: MTP speculative decoding (T={plan.spec_tokens}) "
                       "goes through the ring on CUDA, one state slot per request "
-                      "(VLLM_GDN_REPLAYSSM_MTP_CUDA=0 keeps vLLM's native speculative path)")
+                      "(opted in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1)")
         _log_once(logging.INFO, f"replayssm_patch: {arch} GDN layers decode through the ring "
                   f"(L={plan.ring_len}, ring {plan.ring_dtype}, state {plan.state_dtype}, "
                   f"+{plan.bytes_per_slot} bytes per layer per cache slot)")

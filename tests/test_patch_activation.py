@@ -41,15 +41,17 @@ def test_environment_defaults_and_values():
                           "VLLM_GDN_REPLAYSSM_STRICT": "true", "VLLM_GDN_REPLAYSSM_RING_DTYPE": "float32"})
     assert o == options.Options(enabled=True, ring_len=32, strict=True, ring_dtype="float32")
     assert options.from_env(o.to_env()) == o
-    assert options.from_env({}).allow_mtp_cuda and options.Options().allow_mtp_cuda  # on by default
-    assert options.from_env({"VLLM_GDN_REPLAYSSM_MTP_CUDA": "1"}).allow_mtp_cuda
-    native = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": "0"})
-    assert native == options.Options(enabled=True, allow_mtp_cuda=False)
-    assert native.to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0" and options.from_env(native.to_env()) == native
-    assert options.Options().to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
-    # a blank variable (VAR= in a shell or a launcher's env file) means its default, not "off"
+    # MTP on CUDA is opt-in: off unless VLLM_GDN_REPLAYSSM_MTP_CUDA=1 / allow_mtp_cuda=True
+    assert not options.from_env({}).allow_mtp_cuda and not options.Options().allow_mtp_cuda
+    assert not options.from_env({"VLLM_GDN_REPLAYSSM_MTP_CUDA": "0"}).allow_mtp_cuda
+    assert options.Options().to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
+    opted_in = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": "1"})
+    assert opted_in == options.Options(enabled=True, allow_mtp_cuda=True)
+    assert opted_in.to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1" and options.from_env(opted_in.to_env()) == opted_in
+    # a blank variable (VAR= in a shell or a launcher's env file) means its default
     blank = {name: " " for name in options.Options().to_env()}
     assert options.from_env(blank) == options.Options()
+    assert not options.from_env({"VLLM_GDN_REPLAYSSM_MTP_CUDA": ""}).allow_mtp_cuda
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -157,29 +159,30 @@ def test_layer_already_replaced_by_someone_else(clean_patch_state):
 
 
 def test_patch_allow_mtp_cuda_reaches_options_env_and_status(clean_patch_state, monkeypatch):
-    """patch() leaves MTP on CUDA on (the default); patch(allow_mtp_cuda=False) turns it off in
-    the option, the environment the worker processes read (VLLM_GDN_REPLAYSSM_MTP_CUDA) and
-    status(), and a later patch() turns it back on."""
+    """patch() leaves MTP on CUDA off (the default); patch(allow_mtp_cuda=True) opts in, in the
+    option, the environment the worker processes read (VLLM_GDN_REPLAYSSM_MTP_CUDA) and
+    status(), and a later patch() turns it back off."""
     import replayssm_patch
 
     for var in ("VLLM_GDN_REPLAYSSM", "VLLM_GDN_REPLAYSSM_MTP_CUDA"):
         monkeypatch.delenv(var, raising=False)
     report = replayssm_patch.patch()
     assert report["applied"], report
-    assert report["options"]["allow_mtp_cuda"] is True
-    assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
-    assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is True
-    report = replayssm_patch.patch(allow_mtp_cuda=False)
-    assert report["applied"], report
     assert report["options"]["allow_mtp_cuda"] is False
     assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
     assert not options.from_env().allow_mtp_cuda  # what the plugin reads in vLLM's other processes
-    assert not clean_patch_state._state["options"].allow_mtp_cuda
     assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is False
-    replayssm_patch.patch()
+    report = replayssm_patch.patch(allow_mtp_cuda=True)
+    assert report["applied"], report
+    assert report["options"]["allow_mtp_cuda"] is True
     assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
     assert options.from_env().allow_mtp_cuda
+    assert clean_patch_state._state["options"].allow_mtp_cuda
     assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is True
+    replayssm_patch.patch()
+    assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
+    assert not options.from_env().allow_mtp_cuda
+    assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is False
 
 
 def test_apply_and_revert_restore_vllm(clean_patch_state):
@@ -318,21 +321,23 @@ def _mtp_config(T=3, **over):
                           "speculative_config": SimpleNamespace(num_speculative_tokens=T, method="mtp"), **over})
 
 
-def test_spec_reasons_cuda_served_by_default_unless_turned_off(monkeypatch):
-    """On CUDA (vLLM >= 0.32) MTP goes through the ring by default; VLLM_GDN_REPLAYSSM_MTP_CUDA=0
-    adds a reason naming the variable; prefix caching, other speculative methods and windows
-    longer than the ring stay refused either way."""
+def test_spec_reasons_cuda_native_by_default_unless_opted_in(monkeypatch):
+    """On CUDA (vLLM >= 0.32) MTP stays native by default with one reason that says so and how to
+    opt in; VLLM_GDN_REPLAYSSM_MTP_CUDA=1 (allow_mtp_cuda=True) lets it through; prefix caching,
+    other speculative methods and windows longer than the ring stay refused either way."""
     from replayssm_patch import versions
-    from replayssm_patch.ring_plan import _spec_reasons
+    from replayssm_patch.ring_plan import MTP_CUDA_OPT_IN_REASON, _spec_reasons
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
-    assert _spec_reasons(_mtp_config(), 3, "cuda") == []
+    for off in (_spec_reasons(_mtp_config(), 3, "cuda"), _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=False)):
+        assert off == [MTP_CUDA_OPT_IN_REASON]
+    reason = MTP_CUDA_OPT_IN_REASON
+    assert "speculative decoding on CUDA stays native by default" in reason
+    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA=1" in reason and "allow_mtp_cuda=True" in reason
+    assert "slower end to end" in reason and "GDN cache memory" in reason
     assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True) == []
-    off = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=False)
-    assert len(off) == 1 and "speculative decoding on CUDA" in off[0] and "turned off by the user" in off[0]
-    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA=0" in off[0] and "allow_mtp_cuda=False" in off[0]
-    assert "not yet" not in off[0] and "experimental" not in off[0]
-    assert _spec_reasons(_mtp_config(), 3, "cpu", allow_mtp_cuda=False) == []  # CUDA-only switch
+    assert _spec_reasons(_mtp_config(), 3, "cpu") == []  # CUDA-only switch: CPU serves MTP either way
+    assert _spec_reasons(_mtp_config(), 3, "cpu", allow_mtp_cuda=True) == []
     for allow in (True, False):
         align = _spec_reasons(_mtp_config(**{"cache_config.mamba_cache_mode": "align"}), 3, "cuda", allow_mtp_cuda=allow)
         assert any("prefix caching" in r for r in align) and len(align) == 1 + (not allow)
@@ -343,48 +348,76 @@ def test_spec_reasons_cuda_served_by_default_unless_turned_off(monkeypatch):
         assert any("a verify window must fit the ring" in r for r in too_long) and len(too_long) == 1 + (not allow)
 
 
+def test_only_by_choice_reasons():
+    """Only the default-off MTP reason is a choice; any other reason beside it is a limitation."""
+    from replayssm_patch.ring_plan import MTP_CUDA_OPT_IN_REASON, only_by_choice
+
+    assert only_by_choice([MTP_CUDA_OPT_IN_REASON])
+    assert not only_by_choice([])
+    assert not only_by_choice(["LoRA is enabled"])
+    assert not only_by_choice([MTP_CUDA_OPT_IN_REASON, "LoRA is enabled"])
+
+
 def test_mtp_cuda_refused_before_vllm_032(monkeypatch):
     """vLLM 0.31 keeps plain decode rows beside verify rows in FULL-graph batches: MTP on CUDA
-    stays native there even with the default on (its commit tensors are not persistent buffers)."""
+    stays native there even when opted in (its commit tensors are not persistent buffers)."""
     from replayssm_patch import versions
-    from replayssm_patch.ring_plan import _spec_reasons
+    from replayssm_patch.ring_plan import MTP_CUDA_OPT_IN_REASON, _spec_reasons
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.31.0")
-    for kwargs in ({}, {"allow_mtp_cuda": True}):
-        reasons = _spec_reasons(_mtp_config(), 3, "cuda", **kwargs)
-        assert len(reasons) == 1 and "vLLM < 0.32" in reasons[0] and "persistent commit buffers" in reasons[0]
-    off = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=False)
-    assert len(off) == 1 and "VLLM_GDN_REPLAYSSM_MTP_CUDA=0" in off[0]
+    reasons = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True)
+    assert len(reasons) == 1 and "vLLM < 0.32" in reasons[0] and "persistent commit buffers" in reasons[0]
+    assert _spec_reasons(_mtp_config(), 3, "cuda") == [MTP_CUDA_OPT_IN_REASON]  # the default
     for version in ("0.32.0", "0.33.0"):
         monkeypatch.setattr(versions, "installed_vllm_version", lambda v=version: v)
-        assert _spec_reasons(_mtp_config(), 3, "cuda") == []
+        assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True) == []
+        assert _spec_reasons(_mtp_config(), 3, "cuda") == [MTP_CUDA_OPT_IN_REASON]
 
 
-def test_cuda_mtp_served_by_default_unless_turned_off(monkeypatch, caplog):
-    """plan_for on (faked) CUDA: MTP served by default (ring sized for the window) with one INFO
-    line, no warning; VLLM_GDN_REPLAYSSM_MTP_CUDA=0 keeps it native with the reason logged."""
-    import logging
-
+@pytest.fixture
+def fake_cuda_mtp(monkeypatch):
+    """A faked CUDA platform with vLLM 0.33.0, ring kernels available and the page-size hook a
+    no-op; patching's log-once memory cleared and its logger propagating to caplog."""
     from vllm.platforms import current_platform
 
     from replayssm_patch import kernels, model_hooks, patching, versions
-    from replayssm_patch.ring_plan import plan_for
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False, raising=False)
     monkeypatch.setattr(kernels, "gpu_kernels_available", lambda: (True, ""))
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
-    plan, reasons = plan_for(_mtp_config(7), ON)
-    assert reasons == [] and plan.spec_window == 8 and plan.ring_len == 32
-    turned_off = options.Options(enabled=True, allow_mtp_cuda=False)
-    plan, reasons = plan_for(_mtp_config(7), turned_off)
-    assert plan is None and reasons and "VLLM_GDN_REPLAYSSM_MTP_CUDA=0" in reasons[0]
-    assert plan_for(_mtp_config(7, **{"cache_config.mamba_cache_mode": "align"}), ON)[0] is None
-
     monkeypatch.setattr(model_hooks, "ensure", lambda cfg, extra: (True, ""))
     monkeypatch.setattr(patching, "_logged", set())
-    monkeypatch.setitem(patching._state, "options", ON)
     monkeypatch.setattr(patching.logger, "propagate", True)
+    return patching
+
+
+def _own_records(caplog, patching):
+    return [r for r in caplog.records if r.name == patching.logger.name]
+
+
+def test_cuda_mtp_native_by_default_served_when_opted_in(fake_cuda_mtp, monkeypatch, caplog):
+    """plan_for on (faked) CUDA, options read from the environment as vLLM's processes read
+    them: with VLLM_GDN_REPLAYSSM_MTP_CUDA unset (or blank, or 0) MTP stays native with the
+    opt-in reason, logged once at INFO and no warning; =1 serves it (ring sized for the window)
+    with one INFO line saying it was opted in."""
+    import logging
+
+    from replayssm_patch.ring_plan import MTP_CUDA_OPT_IN_REASON, plan_for
+
+    patching = fake_cuda_mtp
+    default = options.from_env({"VLLM_GDN_REPLAYSSM": "1"})
+    for env in ({}, {"VLLM_GDN_REPLAYSSM_MTP_CUDA": ""}, {"VLLM_GDN_REPLAYSSM_MTP_CUDA": "0"}):
+        o = options.from_env({"VLLM_GDN_REPLAYSSM": "1", **env})
+        plan, reasons = plan_for(_mtp_config(7), o)
+        assert plan is None and reasons == [MTP_CUDA_OPT_IN_REASON], env
+    opted_in = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": "1"})
+    plan, reasons = plan_for(_mtp_config(7), opted_in)
+    assert reasons == [] and plan.spec_window == 8 and plan.ring_len == 32
+    assert plan_for(_mtp_config(7, **{"cache_config.mamba_cache_mode": "align"}), opted_in)[0] is None
+    assert plan_for(fake_config(), default)[0] is not None  # no speculative config: served as before
+
+    monkeypatch.setitem(patching._state, "options", opted_in)
     with caplog.at_level(logging.INFO, logger=patching.logger.name):
         assert patching.current_plan(_mtp_config(7))[0] is not None
         patching.current_plan(_mtp_config(7))
@@ -392,13 +425,52 @@ def test_cuda_mtp_served_by_default_unless_turned_off(monkeypatch, caplog):
               in r.getMessage()]
     assert len(served) == 1 and served[0].levelno == logging.INFO
     assert "one state slot per request" in served[0].getMessage()
-    assert not any(r.levelno >= logging.WARNING for r in caplog.records if r.name == patching.logger.name)
-    assert not any("experimental" in r.getMessage() for r in caplog.records)
+    assert "(opted in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1)" in served[0].getMessage()
+    assert not any(r.levelno >= logging.WARNING for r in _own_records(caplog, patching))
+
     caplog.clear()
-    monkeypatch.setitem(patching._state, "options", turned_off)
+    monkeypatch.setitem(patching._state, "options", default)
     with caplog.at_level(logging.INFO, logger=patching.logger.name):
-        assert patching.current_plan(_mtp_config(7))[0] is None  # refused, reason logged
+        assert patching.current_plan(_mtp_config(7))[0] is None  # native by default, reason logged
+        patching.current_plan(_mtp_config(7))
     assert not any("goes through the ring on CUDA" in r.getMessage() for r in caplog.records)
-    refused = [r for r in caplog.records if "speculative decoding on CUDA" in r.getMessage()]
-    assert len(refused) == 1 and refused[0].levelno == logging.WARNING
-    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA=0" in refused[0].getMessage()
+    native = [r for r in _own_records(caplog, patching) if MTP_CUDA_OPT_IN_REASON in r.getMessage()]
+    assert len(native) == 1 and native[0].levelno == logging.INFO
+    assert "GDN layers use vLLM's native decode" in native[0].getMessage()
+    assert not any(r.levelno >= logging.WARNING for r in _own_records(caplog, patching))
+
+
+def test_strict_mode_and_mtp_cuda_default(fake_cuda_mtp, monkeypatch, caplog):
+    """Strict mode does not raise for MTP on CUDA staying native by default (a choice, logged at
+    INFO); it still raises for a real limitation, whether or not the opt-in reason is beside it;
+    strict and opted in, MTP is served."""
+    import logging
+
+    from replayssm_patch.ring_plan import MTP_CUDA_OPT_IN_REASON
+
+    patching = fake_cuda_mtp
+    strict = options.Options(enabled=True, strict=True)
+    monkeypatch.setitem(patching._state, "options", strict)
+    with caplog.at_level(logging.INFO, logger=patching.logger.name):
+        plan, reasons = patching.current_plan(_mtp_config(3))
+    assert plan is None and reasons == [MTP_CUDA_OPT_IN_REASON]
+    logged = [r for r in _own_records(caplog, patching) if MTP_CUDA_OPT_IN_REASON in r.getMessage()]
+    assert len(logged) == 1 and logged[0].levelno == logging.INFO
+    # a limitation beside the default-off reason (prefix caching): strict raises with both
+    with pytest.raises(patching.PatchRefused) as e:
+        patching.current_plan(_mtp_config(3, **{"cache_config.mamba_cache_mode": "align"}))
+    assert "prefix caching" in str(e.value) and MTP_CUDA_OPT_IN_REASON in str(e.value)
+    # ... and so does a limitation of its own, opted in (16-bit state, not allowed)
+    strict_in = options.Options(enabled=True, strict=True, allow_mtp_cuda=True)
+    monkeypatch.setitem(patching._state, "options", strict_in)
+    with pytest.raises(patching.PatchRefused) as e:
+        patching.current_plan(_mtp_config(3, **{"cache_config.mamba_ssm_cache_dtype": "bfloat16"}))
+    assert "16-bit states" in str(e.value) and MTP_CUDA_OPT_IN_REASON not in str(e.value)
+    assert patching.current_plan(_mtp_config(3))[0] is not None  # strict and opted in: served
+    # not strict: the same limitation is a warning
+    caplog.clear()
+    monkeypatch.setitem(patching._state, "options", options.Options(enabled=True))
+    with caplog.at_level(logging.INFO, logger=patching.logger.name):
+        assert patching.current_plan(_mtp_config(3, **{"cache_config.mamba_cache_mode": "align"}))[0] is None
+    warned = [r for r in _own_records(caplog, patching) if "prefix caching" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
