@@ -17,6 +17,11 @@ on CUDA stays native by default; prefix caching off in both; with dummy weights 
 accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
 counters are recorded per arm).
 
+`--profile-batch B` adds, after batch B's timings, a torch-profiler trace of 8 decode steps of
+that batch in each arm (vLLM's `profiler_config`, steps 9-16 of a 32-token generate, so past
+the prefill) and reports per arm the GPU time per kernel name, the GPU-busy time and the span
+of those steps: where a patched step's extra time goes (kernels, or idle GPU waiting on the host).
+
 The Amdahl bound per batch size is computed from the native step time and, when given
 (`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
 dtype: bound = step / (step - layers * (t_native_kernel - t_ring_kernel)).
@@ -30,6 +35,8 @@ import json
 import os
 import subprocess
 import sys
+import glob
+import gzip
 import tempfile
 import time
 
@@ -77,6 +84,10 @@ def arm(args) -> None:
     spec = {}
     if args.mtp:  # the ring plan serves MTP without prefix caching only: both arms run without it
         spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
+    prof = {}
+    if args.profile_batch:  # traces land in profile_dir (absolute), one file per worker
+        prof = dict(profiler_config={"profiler": "torch", "torch_profiler_dir": os.path.abspath(args.profile_dir),
+                                     "torch_profiler_with_stack": False, "ignore_frontend": True})
     t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + 8,
               max_num_seqs=max(batches), seed=0, skip_tokenizer_init=True, enable_prefix_caching=not args.mtp,
@@ -84,7 +95,7 @@ def arm(args) -> None:
               mamba_ssm_cache_dtype=args.state_dtype, gpu_memory_utilization=0.85,
               attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
               compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode},
-              tensor_parallel_size=args.tp)
+              tensor_parallel_size=args.tp, **prof)
     start_s = time.perf_counter() - t0
     res = {"engine_start_s": start_s, "batches": {}}
     for b in batches:
@@ -109,11 +120,63 @@ def arm(args) -> None:
                              "per_request_tok_s": steps / decode, "aggregate_tok_s": b * steps / decode}
         print(f"[{'patched' if args.patched else 'native'}] batch {b}: step {1e3 * decode / steps:.3f} ms, "
               f"{b * steps / decode:.0f} tok/s aggregate", flush=True)
+        if b == args.profile_batch:
+            res["profile"] = profile_steps(llm, prompts, args.profile_dir)
     if args.mtp:  # vLLM's speculative-decoding counters over the whole arm (all batch sizes)
         from replayssm_patch.testing.engine_runner import spec_decode_metrics
 
         res["spec_decode"] = spec_decode_metrics(llm)
     print("RESULT_JSON " + json.dumps(res), flush=True)
+
+
+PROFILE_SKIP, PROFILE_STEPS = 8, 8  # engine steps skipped (prefill), then traced
+
+
+def profile_steps(llm, prompts, profile_dir) -> dict:
+    """Trace PROFILE_STEPS decode steps of a generate over `prompts`; summarise the trace."""
+    from vllm import SamplingParams
+
+    before = set(glob.glob(os.path.join(profile_dir, "**", "*.json*"), recursive=True))
+    llm.start_profile(delay_iterations=PROFILE_SKIP, max_iterations=PROFILE_STEPS)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=PROFILE_SKIP + PROFILE_STEPS + 16,
+                                         ignore_eos=True, detokenize=False), use_tqdm=False)
+    llm.stop_profile()
+    deadline = time.time() + 120  # the worker writes the trace after stop; wait for it
+    while time.time() < deadline:
+        new = sorted(set(glob.glob(os.path.join(profile_dir, "**", "*.json*"), recursive=True)) - before)
+        if new and all(time.time() - os.path.getmtime(f) > 3 for f in new):
+            break
+        time.sleep(2)
+    else:
+        return {"error": f"no trace file appeared in {profile_dir}"}
+    return dict(summarize_trace(new[0]), trace_file=new[0], steps=PROFILE_STEPS)
+
+
+def summarize_trace(path, top=30) -> dict:
+    """GPU time per kernel name (us), GPU-busy time (union of GPU intervals) and the span from
+    the first to the last GPU event, from a Chrome trace written by torch.profiler."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return {"error": "no GPU events in the trace"}
+    per_name = {}
+    for e in gpu:
+        per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e.get("dur", 0))
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu)
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for s0, e0 in spans[1:]:  # union of intervals (streams overlap)
+        if s0 > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s0, e0
+        else:
+            cur_e = max(cur_e, e0)
+    busy += cur_e - cur_s
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])
+    return {"gpu_span_us": spans[-1][1] - spans[0][0], "gpu_busy_us": busy, "gpu_kernel_sum_us": sum(per_name.values()),
+            "kernels": len(gpu), "top_kernels_us": {k[:160]: round(v, 1) for k, v in ranked[:top]}}
 
 
 def torch_sync():
@@ -156,11 +219,16 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=0, metavar="T",
                     help="MTP speculative decoding with T drafts (0: off); adds one MTP layer to the config, "
                          "prefix caching off in both arms; step_ms is then the time per output token")
+    ap.add_argument("--profile-batch", type=int, default=0, metavar="B",
+                    help="also trace 8 decode steps of batch B (one of --batches) per arm with the torch profiler")
+    ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="*", default=None, metavar="JSON",
                     help="no GPU: join the runs of these result files into --out")
     args = ap.parse_args()
+    if args.profile_batch and str(args.profile_batch) not in args.batches.split(","):
+        raise SystemExit(f"--profile-batch must be one of --batches ({args.batches}), got {args.profile_batch}")
     if args.merge:
         return merge(args)
     if args.arm:
@@ -180,7 +248,9 @@ def main() -> None:
                "--in-len", str(args.in_len), "--out-len", str(args.out_len), "--repeats", str(args.repeats),
                "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
                "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode),
-               "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp)]
+               "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp),
+               "--profile-batch", str(args.profile_batch),
+               "--profile-dir", os.path.join(workdir, f"profile_{len(runs)}_{name}")]
         arm_env = env
         if name == "patched" and args.mtp:  # MTP on CUDA through the ring is opt-in
             arm_env = dict(env, VLLM_GDN_REPLAYSSM_MTP_CUDA="1")
