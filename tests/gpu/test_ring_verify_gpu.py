@@ -17,7 +17,7 @@ Relative error bounds (||ours - ref|| / ||ref|| over all outputs, and the state)
     fp16 state, fp16 ring     < 5e-3
 
 Plus: a CUDA graph captured over several speculative steps replays bit-identically to eager
-calls. Every test runs once per launch form (mode="parallel", the default, and "serial");
+calls. Every test runs once per launch form (mode="parallel", the default, "serial" and "chunked");
 test_parallel_launch_configs runs two cases at every (BV, warps) the kernel_spec sweep tries.
 Skipped without CUDA. `RING_KERNEL_TEST_DEVICE=cpu TRITON_INTERPRET=1
 RING_VERIFY_TEST_SMALL=1` dry-runs it on the CPU with small head dims (no graph test).
@@ -45,7 +45,7 @@ SMALL = os.environ.get("RING_VERIFY_TEST_SMALL", "0") == "1"
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 BOUNDS = {(F32, F32): 1e-5, (F32, BF16): 1e-2, (BF16, BF16): 2e-2, (F16, F16): 5e-3}
 MEASURED: dict[str, dict] = {}
-MODES = ("parallel", "serial")  # ring_verify's launch forms (parallel is the default)
+MODES = ("parallel", "serial", "chunked")  # ring_verify's launch forms (parallel is the default)
 
 
 def _rel(x, ref):
@@ -186,6 +186,19 @@ def test_parallel_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, config):
                           config=config)
     assert info["flushes"] > 0, "no flush happened"
     MEASURED[f"{name}[parallel {config}]"] = info
+
+
+# the launches kernel_spec --mode chunked --sweep tries for the chunked form (BV >= 16: tl.dot)
+CHUNK_LAUNCHES = [(16, 2), (16, 4), (32, 4), (64, 8)]
+
+
+@pytest.mark.parametrize("config", CHUNK_LAUNCHES, ids=[f"bv{c[0]}_w{c[1]}" for c in CHUNK_LAUNCHES])
+@pytest.mark.parametrize("name,H,HV,K,V,L,T,sdt,rdt", CASES[:2], ids=[c[0] for c in CASES[:2]])
+def test_chunked_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, config):
+    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode="chunked",
+                          config=config)
+    assert info["flushes"] > 0, "no flush happened"
+    MEASURED[f"{name}[chunked {config}]"] = info
 
 
 @pytest.mark.parametrize("mode", MODES)
