@@ -533,15 +533,14 @@ def _ring_verify_chunk_kernel(
     S = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
     p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
     if flush:
-        # As the block kernel: fold the committed entries into this program's rows, store in
-        # the state dtype and continue from the stored (rounded) checkpoint.
+        # Fold the committed entries into this program's rows as one [BK, LP] x [LP, BV] product,
+        # store in the state dtype and continue from the stored (rounded) checkpoint.
         p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
-        S = S * tl.exp(G_n)
-        for j in range(0, n):
-            w_j = tl.exp(G_n - tl.sum(tl.where(o_l == j, Gc, 0.0)))
-            d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            S += k_j[:, None] * (w_j * d_j)[None, :]
+        Kr = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
+        Dr = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
+        w_f = tl.where(live, tl.exp(G_n - Gc), 0.0)  # [LP]
+        S = S * tl.exp(G_n) + tl.dot(tl.trans(Kr.to(tl.float32)), Dr.to(tl.float32) * w_f[:, None],
+                                     input_precision="ieee")
         S = S.to(state.dtype.element_ty)
         tl.store(p_s, S, mask=m_kv)
         S = S.to(tl.float32)
