@@ -122,6 +122,22 @@ def _committed_count(word, acc, row, stride_acc, L: tl.constexpr, HAS_ACC: tl.co
 
 
 @triton.jit
+def _slot_ring(cursor, slot, acc, row, stride_acc, ring_g, slot_stride_g, hv, o_l, W,
+               L: tl.constexpr, HAS_ACC: tl.constexpr):
+    """What a main-kernel program of the parallel and chunked forms knows about its slot's ring:
+    committed count n, whether the window flushes first, the entries it replays (n_w; none
+    after a flush), the live/replayed position masks over o_l, the gates G_j and G_n."""
+    # The cursor word is unchanged during the launch (only the finish kernel writes it).
+    n = _committed_count(tl.load(cursor + slot), acc, row, stride_acc, L, HAS_ACC)
+    flush = n + W > L
+    n_w = tl.where(flush, 0, n)
+    live = o_l < n
+    Gc = tl.load(ring_g + slot * slot_stride_g + hv * L + o_l, mask=live, other=0.0)
+    G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
+    return n, flush, n_w, live, o_l < n_w, Gc, G_n
+
+
+@triton.jit
 def _ring_verify_kernel(
     qkv, a, b, A_log, dt_bias, out, state, idx, cu, acc,
     ring_d, ring_k, ring_g, cursor,
@@ -393,16 +409,8 @@ def _ring_verify_block_kernel(
                  mask=m_w[:, None] & m_v[None, :])
         return
 
-    # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
-    word = tl.load(cursor + slot)
-    n = _committed_count(word, acc, row, stride_acc, L, HAS_ACC)
-    flush = n + W > L
-    n_w = tl.where(flush, 0, n)
-    live = o_l < n
-    live_v = o_l < n_w  # committed entries the verify replays (none after a flush)
-
-    Gc = tl.load(ring_g + slot * slot_stride_g + hv * L + o_l, mask=live, other=0.0)
-    G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
+    n, flush, n_w, live, live_v, Gc, G_n = _slot_ring(cursor, slot, acc, row, stride_acc, ring_g,
+                                                      slot_stride_g, hv, o_l, W, L, HAS_ACC)
 
     # The checkpoint tile as [BK, BV] (as vLLM's native kernel holds it): every product below
     # reduces over axis 0 and yields a vector over this program's value rows.
@@ -517,16 +525,8 @@ def _ring_verify_chunk_kernel(
         tl.store(p_o, tl.zeros([WP, BV], dtype=tl.float32).to(out.dtype.element_ty), mask=m_wv)
         return
 
-    # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
-    word = tl.load(cursor + slot)
-    n = _committed_count(word, acc, row, stride_acc, L, HAS_ACC)
-    flush = n + W > L
-    n_w = tl.where(flush, 0, n)
-    live = o_l < n
-    live_v = o_l < n_w  # committed entries the verify replays (none after a flush)
-
-    Gc = tl.load(ring_g + slot * slot_stride_g + hv * L + o_l, mask=live, other=0.0)
-    G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
+    n, flush, n_w, live, live_v, Gc, G_n = _slot_ring(cursor, slot, acc, row, stride_acc, ring_g,
+                                                      slot_stride_g, hv, o_l, W, L, HAS_ACC)
 
     m_kv = m_k[:, None] & m_v[None, :]
     p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[None, :] * K + o_k[:, None]

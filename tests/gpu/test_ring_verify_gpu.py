@@ -18,7 +18,7 @@ Relative error bounds (||ours - ref|| / ||ref|| over all outputs, and the state)
 
 Plus: a CUDA graph captured over several speculative steps replays bit-identically to eager
 calls. Every test runs once per launch form (mode="parallel", the default, "serial" and "chunked");
-test_parallel_launch_configs runs two cases at every (BV, warps) the kernel_spec sweep tries.
+test_launch_configs runs two cases at every (BV, warps) the kernel_spec sweeps try.
 Skipped without CUDA. `RING_KERNEL_TEST_DEVICE=cpu TRITON_INTERPRET=1
 RING_VERIFY_TEST_SMALL=1` dry-runs it on the CPU with small head dims (no graph test).
 """
@@ -174,31 +174,19 @@ def test_vs_float64(name, H, HV, K, V, L, T, sdt, rdt, mode):
     MEASURED[f"{name}[{mode}]"] = info
 
 
-# every launch the kernel_spec sweep tries for the parallel form, so a faster one can become the
-# default with its correctness already shown
-LAUNCHES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
+# every launch the kernel_spec sweep tries (--mode parallel and --mode chunked), so a faster one
+# can become the default with its correctness already shown
+LAUNCHES = [("parallel", c) for c in [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]] + \
+           [("chunked", c) for c in [(16, 2), (16, 4), (32, 4), (64, 8)]]  # chunked: BV >= 16 (tl.dot)
 
 
-@pytest.mark.parametrize("config", LAUNCHES, ids=[f"bv{c[0]}_w{c[1]}" for c in LAUNCHES])
+@pytest.mark.parametrize("mode,config", LAUNCHES, ids=[f"{m}_bv{c[0]}_w{c[1]}" for m, c in LAUNCHES])
 @pytest.mark.parametrize("name,H,HV,K,V,L,T,sdt,rdt", CASES[:2], ids=[c[0] for c in CASES[:2]])
-def test_parallel_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, config):
-    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode="parallel",
+def test_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, mode, config):
+    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode=mode,
                           config=config)
     assert info["flushes"] > 0, "no flush happened"
-    MEASURED[f"{name}[parallel {config}]"] = info
-
-
-# the launches kernel_spec --mode chunked --sweep tries for the chunked form (BV >= 16: tl.dot)
-CHUNK_LAUNCHES = [(16, 2), (16, 4), (32, 4), (64, 8)]
-
-
-@pytest.mark.parametrize("config", CHUNK_LAUNCHES, ids=[f"bv{c[0]}_w{c[1]}" for c in CHUNK_LAUNCHES])
-@pytest.mark.parametrize("name,H,HV,K,V,L,T,sdt,rdt", CASES[:2], ids=[c[0] for c in CASES[:2]])
-def test_chunked_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, config):
-    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode="chunked",
-                          config=config)
-    assert info["flushes"] > 0, "no flush happened"
-    MEASURED[f"{name}[chunked {config}]"] = info
+    MEASURED[f"{name}[{mode} {config}]"] = info
 
 
 @pytest.mark.parametrize("mode", MODES)
