@@ -117,8 +117,7 @@ case "${1:?step}" in
     shift; python3 benchmarks/kernel_decode.py --vllm-root /tmp/vl --out-dir "$OUT" "$@" 2>&1 | tail -80 ;;
   chunk)
     rc=0
-    RING_KERNEL_GPU_REPORT="$OUT/gpu_test_errors_chunked.jsonl" python3 -m pytest -q -n 8 \
-      tests/gpu/test_ring_verify_gpu.py -k chunked 2>&1 | tail -6 || rc=1
+    python3 -m pytest -q -n 8 tests/gpu/test_ring_verify_gpu.py -k chunked 2>&1 | tail -6 || rc=1
     for what in sweep profile table; do
       flag=""; [ $what = table ] || flag="--$what"
       python3 benchmarks/kernel_spec.py --vllm-root /tmp/vl --mode chunked $flag --out-dir "$OUT/chunk_$what" \
