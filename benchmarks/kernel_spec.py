@@ -313,28 +313,15 @@ def time_cell(native_fn, B, T, dev):
             "ours_outputs_finite": bool(ok)}
 
 
-def copy_bandwidth_Bps(dev, nbytes=1 << 30):
-    """Device-to-device copy bandwidth (bytes read + written per second), median of 10."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).normal_()
-    dst = torch.empty_like(src)
-    ts = []
-    for _ in range(11):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-    return 2 * nbytes / statistics.median(ts[1:])
-
-
 def profile_cells(native_fn, dev, out_dir, cells=((8, 256), (4, 16))):
     """Where a verify step's time goes: device time per kernel (torch profiler, eager launches
     after warm-up) for ours and native, and what the bytes each arm must move would cost at the
     measured copy bandwidth (the memory roofline)."""
     from torch.profiler import ProfilerActivity, profile
 
-    bw = copy_bandwidth_Bps(dev)
+    from benchmarks.kernel_decode import copy_bandwidth  # the decode benchmark's measurement
+
+    bw = copy_bandwidth()
     rows = []
     for T, B in cells:
         ours, nat = cell_layers(B, T, dev)
@@ -482,7 +469,7 @@ def main(argv=None):
     ap.add_argument("--mode", choices=["parallel", "chunked"], default="parallel",
                     help="the launch form timed as ours (default parallel, ring_verify's default)")
     ap.add_argument("--sweep", action="store_true",
-                    help="time the parallel form's launch configs at a few cells, then stop")
+                    help="time the --mode form's launch configs at a few cells, then stop")
     ap.add_argument("--profile", action="store_true",
                     help="device time per kernel and the memory roofline at T=8/B=256 and T=4/B=16, then stop")
     args = ap.parse_args(argv)
