@@ -12,7 +12,7 @@ time to first token are excluded.
 
 `--tp N` runs both arms with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
 (16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
-with T drafts to both arms (the patched arm opts in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1, as MTP
+with T drafts to both arms (the patched arm opts in with patch(allow_mtp_cuda=True), as MTP
 on CUDA stays native by default; prefix caching off in both; with dummy weights drafts are rarely
 accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
 counters are recorded per arm).
@@ -33,10 +33,10 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
-import sys
 import glob
 import gzip
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -73,8 +73,8 @@ def arm(args) -> None:
     if args.patched:
         import replayssm_patch
 
-        # MTP on CUDA goes through the ring only when opted in (VLLM_GDN_REPLAYSSM_MTP_CUDA=1,
-        # set in this arm's environment by main(); patch() writes the option back to it)
+        # MTP on CUDA goes through the ring only when opted in; patch() also sets
+        # VLLM_GDN_REPLAYSSM_MTP_CUDA=1 for the engine's processes
         report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
                                        allow_mtp_cuda=bool(args.mtp))
         assert report["applied"], report
@@ -251,11 +251,8 @@ def main() -> None:
                "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp),
                "--profile-batch", str(args.profile_batch),
                "--profile-dir", os.path.join(workdir, f"profile_{len(runs)}_{name}")]
-        arm_env = env
-        if name == "patched" and args.mtp:  # MTP on CUDA through the ring is opt-in
-            arm_env = dict(env, VLLM_GDN_REPLAYSSM_MTP_CUDA="1")
         print(f"== arm {name}", flush=True)
-        p = subprocess.run(cmd, env=arm_env, capture_output=True, text=True)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = p.stdout + p.stderr
         open(os.path.join(workdir, f"{len(runs)}_{name}.log"), "w").write(log)
         if p.returncode != 0:
