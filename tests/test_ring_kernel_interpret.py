@@ -195,6 +195,24 @@ def case_two_phase_bf16_strided_gqa3():
                        out4=True, seed=6, tol_out=2e-2, tol_state=2e-2)
 
 
+def case_replay_two_phase_fp32_flags_full_ring():
+    import torch
+
+    # The replay-vector prep + main launch: force_flush, start_empty, n == L, null/padded rows,
+    # GQA 2, two value blocks per head.
+    return _run_cycles(H=2, HV=4, K=16, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
+                       adt=torch.float32, steps=9, config=(16, 1, False, False, 3), full_ring=True,
+                       use_force=True, use_start_empty=True, seed=8, tol_out=1e-5, tol_state=1e-5)
+
+
+def case_replay_two_phase_bf16_strided_gqa3_no_l2norm():
+    import torch
+
+    return _run_cycles(H=1, HV=3, K=16, V=16, L=3, sdt=torch.bfloat16, rdt=torch.bfloat16,
+                       adt=torch.bfloat16, steps=7, config=(16, 1, False, False, 4), strided=True,
+                       out4=True, l2norm=False, seed=9, tol_out=2e-2, tol_state=2e-2)
+
+
 def case_materialize_reset():
     import torch
 
@@ -268,6 +286,8 @@ CASES = [
     case_fp32_no_l2norm_default_config,
     case_two_phase_fp32_flags_full_ring,
     case_two_phase_bf16_strided_gqa3,
+    case_replay_two_phase_fp32_flags_full_ring,
+    case_replay_two_phase_bf16_strided_gqa3_no_l2norm,
     case_materialize_reset,
     case_rejects_bad_inputs,
 ]
