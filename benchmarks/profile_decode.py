@@ -33,7 +33,9 @@ def main():
     ap.add_argument("--hv", type=int, default=64)
     ap.add_argument("--state", choices=list(kd.STATE_DTYPES), default="fp16")
     ap.add_argument("--configs", nargs="*", default=[])
+    ap.add_argument("--ring-dtype", choices=["bf16", "fp32"], default="bf16")
     args = ap.parse_args()
+    kd.RING_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.ring_dtype]
     fn, _, _ = kd.load_native(args.vllm_root)
     gen = torch.Generator(device="cuda").manual_seed(0)
     layer = kd.Layer(args.batch, args.h, args.hv, kd.STATE_DTYPES[args.state], gen)

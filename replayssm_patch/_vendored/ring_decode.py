@@ -548,7 +548,7 @@ def _replay_main_kernel(
     slot_stride_state, slot_stride_d, slot_stride_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
-    FB: tl.constexpr, USE_PDL: tl.constexpr,
+    FB: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = (row, value head, block of BV value rows), value block fastest (as native).
     pid = tl.program_id(0)
@@ -573,7 +573,7 @@ def _replay_main_kernel(
     # Everything up to the wait depends only on the slot and the inputs (with PDL it loads
     # while the prep kernel runs).
     p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-    S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
+    S_raw = tl.load(p_s, mask=m_vk, other=0.0)
     p_x = qkv + row * stride_qkv
     q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -596,8 +596,22 @@ def _replay_main_kernel(
     r_q = tl.load(p_rep, mask=m_v, other=0.0)
     r_k = tl.load(p_rep + BVF, mask=m_v, other=0.0)
 
-    Sq = eG * tl.sum(S * q[None, :], 1) + r_q
-    Sk = eG * tl.sum(S * k[None, :], 1) + r_k
+    if DOT:
+        # S_c [q k] on the tensor cores: columns 0 and 1 of a [BK, 16] operand. An fp32
+        # checkpoint keeps fp32 accuracy through the 3-pass tf32 split; a 16-bit one multiplies
+        # in its own dtype (q, k rounded to it: error of the state's own order).
+        o_c = tl.arange(0, 16)
+        qk = tl.where(o_c[None, :] == 0, q[:, None], tl.where(o_c[None, :] == 1, k[:, None], 0.0))
+        if S_raw.dtype == tl.float32:
+            acc = tl.dot(S_raw, qk, input_precision="tf32x3")
+        else:
+            acc = tl.dot(S_raw, qk.to(S_raw.dtype))
+        Sq = eG * tl.sum(tl.where(o_c[None, :] == 0, acc, 0.0), 1) + r_q
+        Sk = eG * tl.sum(tl.where(o_c[None, :] == 1, acc, 0.0), 1) + r_k
+    else:
+        S = S_raw.to(tl.float32)
+        Sq = eG * tl.sum(S * q[None, :], 1) + r_q
+        Sk = eG * tl.sum(S * k[None, :], 1) + r_k
     d = beta * (v - alpha * Sk)
     o = alpha * Sq + d * k_dot_q
     tl.store(p_out, o.to(out.dtype.element_ty), mask=m_v)
@@ -889,9 +903,10 @@ def _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
 def _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
                              ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, l2norm,
                              H, HV, K, V, L, BK, LP, strides, config):
-    """Launch the replay-vector prep and main kernels: config = (BV, num_warps, -, -, mode[,
-    prep_warps]), mode 3, or 4 with programmatic dependent launch (Hopper and newer);
-    prep_warps: warps per prep program (default 2)."""
+    """Launch the replay-vector prep and main kernels: config = (BV, num_warps, dot, -, mode[,
+    prep_warps]), mode 3, or 4 with programmatic dependent launch (Hopper and newer); dot: the
+    checkpoint mat-vecs on the tensor cores (BV >= 16); prep_warps: warps per prep program
+    (default 2)."""
     ss, sd, sk, sg = strides
     N = mixed_qkv.shape[0]
     BVF = max(16, triton.next_power_of_2(V))
@@ -916,7 +931,8 @@ def _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3
     _replay_main_kernel[(N * HV * NV,)](
         mixed_qkv, out3, state, idx, ring_d, ring_k, cursor, rep, sc, wts, meta,
         mixed_qkv.stride(0), idx.stride(0), ss, sd, sk,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, BVF=BVF, LP=LP, NV=NV, FB=min(BV, 8), USE_PDL=pdl,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, BVF=BVF, LP=LP, NV=NV, FB=min(BV, 8),
+        DOT=bool(config[2]) and BV >= 16 and BK >= 16, USE_PDL=pdl,
         num_warps=config[1], num_stages=1, **extra,
     )
 

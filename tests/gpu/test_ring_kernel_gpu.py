@@ -224,6 +224,12 @@ CASES = [
     ("gqa8_fp32_replay_bv32_w2", 1, 8, 128, 128, 16, F32, F32, (32, 2, False, False, 3, 2)),
     ("gqa1_fp16_replay_bv16", 2, 2, 128, 128, 16, F16, F16, (16, 1, False, False, 3, 1)),
     ("gqa4_fp32_fp16ring_replay_pdl_bv32", 2, 8, 128, 128, 16, F32, F16, (32, 1, False, False, 4, 1)),
+    # ... with the checkpoint mat-vecs on the tensor cores (tf32x3 for fp32, 16-bit operands else)
+    ("gqa4_fp16_replay_dot_bv32", 2, 8, 128, 128, 16, F16, F16, (32, 1, True, False, 3, 1)),
+    ("gqa2_fp32_replay_dot_bv32_w2", 2, 4, 128, 128, 16, F32, F32, (32, 2, True, False, 3, 1)),
+    ("gqa3_bf16_replay_dot_bv64_w2_pdl", 2, 6, 128, 128, 16, BF16, BF16, (64, 2, True, False, 4, 1)),
+    ("k64_gqa2_fp32_bf16ring_replay_dot_bv16", 2, 4, 64, 64, 16, F32, BF16, (16, 1, True, False, 3, 1)),
+    ("gqa4_fp16_replay_dot_bv64_w4", 2, 8, 128, 128, 16, F16, F16, (64, 4, True, False, 3, 1)),
 ]
 
 TWO_PHASE_PDL = (8, 1, True, False, 2, 4)
