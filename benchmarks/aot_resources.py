@@ -32,6 +32,7 @@ SASS_CLASSES = {  # opcode prefix -> what it tells
     "LDG": "global loads", "STG": "global stores", "LDS": "shared loads", "STS": "shared stores",
     "SHFL": "warp shuffles", "BAR": "barriers", "FFMA": "fp32 FMAs", "ATOM": "atomics",
     "RED": "atomics", "LDL": "local loads (spills)", "STL": "local stores (spills)",
+    "LDGSTS": "async copies", "UTMALDG": "TMA loads",
 }
 
 
@@ -95,10 +96,10 @@ def cubin_report(kernel, tools: str) -> dict:
 
 
 def parse_config(text: str) -> tuple:
-    vals = []
-    for x in text.split(","):
-        x = x.strip()
-        vals.append(bool(int(x)) if len(vals) in (2, 3) else int(x))
+    vals = [int(x) for x in text.split(",")]
+    vals[3:4] = [bool(v) for v in vals[3:4]]
+    if len(vals) < 5 or vals[4] not in (5, 6):  # element 2: a flag, except stages for modes 5/6
+        vals[2] = bool(vals[2])
     return tuple(vals)
 
 
@@ -131,7 +132,7 @@ def main(argv=None):
     print(f"triton {tver}, sm_{args.arch}, H={H} HV={HV} K=V={K} L={L}")
     print(f"{'state':5s} {'ring':5s} {'config':16s} {'kernel':22s} {'warps':>5s} {'regs':>4s} {'stack':>5s} "
           f"{'smem':>6s} {'instr':>6s} {'LDG':>4s} {'STG':>4s} {'SHFL':>5s} {'LDS':>4s} {'STS':>4s} "
-          f"{'BAR':>4s} {'FFMA':>5s} {'spill':>5s}")
+          f"{'BAR':>4s} {'FFMA':>5s} {'spill':>5s} {'async':>5s}")
     for sname in args.state:
         sdt = dts[sname]
         rdt = dts[args.ring] if args.ring != "auto" else sdt
@@ -155,7 +156,7 @@ def main(argv=None):
                       f"{s.get('global loads', 0):4d} {s.get('global stores', 0):4d} "
                       f"{s.get('warp shuffles', 0):5d} {s.get('shared loads', 0):4d} "
                       f"{s.get('shared stores', 0):4d} {s.get('barriers', 0):4d} {s.get('fp32 FMAs', 0):5d} "
-                      f"{spill:5d}", flush=True)
+                      f"{spill:5d} {s.get('async copies', 0) + s.get('TMA loads', 0):5d}", flush=True)
 
 
 if __name__ == "__main__":
