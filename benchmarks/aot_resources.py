@@ -97,9 +97,7 @@ def cubin_report(kernel, tools: str) -> dict:
 
 def parse_config(text: str) -> tuple:
     vals = [int(x) for x in text.split(",")]
-    vals[3:4] = [bool(v) for v in vals[3:4]]
-    if len(vals) < 5 or vals[4] not in (5, 6):  # element 2: a flag, except stages for modes 5/6
-        vals[2] = bool(vals[2])
+    vals[2:4] = [bool(v) for v in vals[2:4]]  # prefetch_ring, group_heads
     return tuple(vals)
 
 

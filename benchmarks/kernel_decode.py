@@ -60,18 +60,16 @@ L = 16
 # shipped heuristic (see ring_decode.pick_decode_config).
 # A fifth element 1 / 2 selects the two-phase launch (prep + main kernel; 2 = with programmatic
 # dependent launch).
-# Modes 3 / 4 are the replay-vector two-phase launch (4 = with PDL); their third element selects
-# tensor-core dots for the checkpoint mat-vecs, their sixth the prep kernel's warps. Modes 5 / 6:
-# the same prep with the pipelined chunk-loop main kernel (third element: pipeline stages;
-# seventh: programs per (row, value head)). (The sweeps
+# Modes 3 / 4 are the replay-vector two-phase launch (4 = with PDL); their sixth element is the
+# prep kernel's warps. Forms tried and dropped on 2026-12-01 (tensor-core mat-vecs, a pipelined
+# chunk-loop main kernel, a prep kernel over all value heads at once) are in
+# benchmarks/results/kernel_decode_sweeps_2026-12-01/README.md. (The sweeps
 # of earlier sessions, with more fused and chunk-loop forms, are in
 # benchmarks/results/kernel_decode_sweep*.json.)
 SWEEP = [(8, 1, True, False), (16, 1, True, False), (32, 1, True, False),
          (8, 1, False, False, 1), (8, 1, False, False, 2),
-         (8, 1, False, False, 3, 4), (16, 1, False, False, 3, 4), (8, 1, False, False, 3, 8),
-         (16, 1, False, False, 4, 4), (32, 1, False, False, 4, 4),
-         (8, 1, 3, False, 5, 4, 1), (8, 1, 3, False, 6, 4, 1), (16, 2, 3, False, 5, 4, 1),
-         (16, 2, 3, False, 6, 4, 1), (16, 1, 2, False, 5, 4, 1), (32, 2, 3, False, 6, 4, 1)]
+         (8, 1, False, False, 3, 1), (16, 1, False, False, 3, 1), (32, 1, False, False, 3, 1),
+         (16, 1, False, False, 4, 1), (32, 1, False, False, 4, 1)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -280,12 +278,8 @@ def copy_bandwidth():
 def cfg_name(cfg):
     bv, w, pre = cfg[:3]
     if len(cfg) > 4 and cfg[4] in (3, 4):
-        pw = cfg[5] if len(cfg) > 5 and cfg[5] else 4
-        return f"replay_bv{bv}_w{w}_p{pw}{'_dot' if pre else ''}{'_pdl' if cfg[4] == 4 else ''}"
-    if len(cfg) > 4 and cfg[4] in (5, 6):
-        pw = cfg[5] if len(cfg) > 5 and cfg[5] else 4
-        split = cfg[6] if len(cfg) > 6 and cfg[6] else 1
-        return f"loop_bv{bv}_w{w}_s{int(pre)}_p{pw}_x{split}{'_pdl' if cfg[4] == 6 else ''}"
+        pw = cfg[5] if len(cfg) > 5 and cfg[5] else 1
+        return f"replay_bv{bv}_w{w}_p{pw}{'_pdl' if cfg[4] == 4 else ''}"
     if len(cfg) > 4 and cfg[4]:
         split = f"_s{cfg[5]}" if len(cfg) > 5 and cfg[5] else ""
         return f"2phase_bv{bv}_w{w}{'_pf' if pre else ''}{split}{'_pdl' if cfg[4] == 2 else ''}"

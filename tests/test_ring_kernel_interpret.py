@@ -213,34 +213,6 @@ def case_replay_two_phase_bf16_strided_gqa3_no_l2norm():
                        out4=True, l2norm=False, seed=9, tol_out=2e-2, tol_state=2e-2)
 
 
-def case_replay_dot_fp32_and_fp16():
-    import torch
-
-    # The checkpoint mat-vecs as tensor-core dots (tf32x3 for an fp32 state, fp16 operands for
-    # an fp16 one), flags on, two value blocks of 16.
-    r32 = _run_cycles(H=1, HV=2, K=16, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
-                      adt=torch.float32, steps=9, config=(16, 1, True, False, 3), full_ring=True,
-                      use_force=True, use_start_empty=True, seed=10, tol_out=1e-5, tol_state=1e-5)
-    r16 = _run_cycles(H=2, HV=4, K=16, V=16, L=3, sdt=torch.float16, rdt=torch.float16,
-                      adt=torch.float16, steps=7, config=(16, 1, True, False, 4), seed=11,
-                      tol_out=5e-3, tol_state=5e-3)
-    return {"fp32": r32, "fp16": r16}
-
-
-def case_replay_loop_fp32_and_bf16():
-    import torch
-
-    # The pipelined chunk-loop main kernel: 2 chunks of 16 per program (fp32, flags, n == L),
-    # then 2 programs per (row, head) of one chunk each (bf16, strided).
-    r32 = _run_cycles(H=2, HV=4, K=16, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
-                      adt=torch.float32, steps=9, config=(16, 1, 3, False, 5, 4, 1), full_ring=True,
-                      use_force=True, use_start_empty=True, seed=12, tol_out=1e-5, tol_state=1e-5)
-    r16 = _run_cycles(H=1, HV=3, K=16, V=32, L=3, sdt=torch.bfloat16, rdt=torch.bfloat16,
-                      adt=torch.bfloat16, steps=7, config=(16, 1, 2, False, 6, 2, 2), strided=True,
-                      seed=13, tol_out=2e-2, tol_state=2e-2)
-    return {"fp32": r32, "bf16": r16}
-
-
 def case_materialize_reset():
     import torch
 
@@ -316,8 +288,6 @@ CASES = [
     case_two_phase_bf16_strided_gqa3,
     case_replay_two_phase_fp32_flags_full_ring,
     case_replay_two_phase_bf16_strided_gqa3_no_l2norm,
-    case_replay_dot_fp32_and_fp16,
-    case_replay_loop_fp32_and_bf16,
     case_materialize_reset,
     case_rejects_bad_inputs,
 ]

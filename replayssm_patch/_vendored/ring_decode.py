@@ -457,12 +457,10 @@ def _replay_prep_kernel(
     stride_qkv, stride_a, stride_b, stride_idx, stride_ff, stride_se,
     slot_stride_d, slot_stride_k, slot_stride_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BVF: tl.constexpr, LP: tl.constexpr, GP: tl.constexpr,
+    BK: tl.constexpr, BVF: tl.constexpr, LP: tl.constexpr,
     HAS_FF: tl.constexpr, HAS_SE: tl.constexpr, L2NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # Program = (row, key head), all HV / H value heads of the key head at once (GP = that
-    # count rounded up to a power of two): every ring load of the program is issued together,
-    # right after the cursor, so a program waits for memory twice (slot, cursor) plus once.
+    # Program = (row, key head); loops over the key head's HV / H value heads.
     pid = tl.program_id(0)
     i_h = pid % H
     row = (pid // H).to(tl.int64)
@@ -473,12 +471,9 @@ def _replay_prep_kernel(
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BVF)
     o_l = tl.arange(0, LP)
-    o_g = tl.arange(0, GP)
     o_s = tl.arange(0, 8)
     m_k = o_k < K
     m_v = o_v < V
-    m_g = o_g < GROUP
-    hv = i_h * GROUP + o_g
 
     slot = tl.load(idx + row * stride_idx).to(tl.int64)
     if slot <= 0:
@@ -487,10 +482,6 @@ def _replay_prep_kernel(
     p_x = qkv + row * stride_qkv
     q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    a_t = tl.load(a + row * stride_a + hv, mask=m_g, other=0.0).to(tl.float32)
-    b_t = tl.load(b + row * stride_b + hv, mask=m_g, other=0.0).to(tl.float32)
-    A_t = tl.load(A_log + hv, mask=m_g, other=0.0).to(tl.float32)
-    dtb = tl.load(dt_bias + hv, mask=m_g, other=0.0).to(tl.float32)
     n = tl.load(cursor + slot)
     if HAS_SE:
         if tl.load(start_empty + row * stride_se) != 0:
@@ -503,13 +494,7 @@ def _replay_prep_kernel(
 
     p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
     rk = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
-    p_g = ring_g + slot * slot_stride_g + hv[:, None] * L + o_l[None, :]
-    m_gl = m_g[:, None] & live[None, :]
-    Gr = tl.load(p_g, mask=m_gl, other=0.0)  # [GP, LP]
-    p_dr = (ring_d + slot * slot_stride_d + hv[:, None, None] * (L * V) + o_l[None, :, None] * V
-            + o_v[None, None, :])
-    rd = tl.load(p_dr, mask=m_gl[:, :, None] & m_v[None, None, :], other=0.0)  # [GP, LP, BVF]
-
+    rk = rk.to(tl.float32)
     # The main kernel scales the raw q / k by the same factors, so both see identical vectors.
     if L2NORM:
         q_f = scale / tl.sqrt(tl.sum(q * q) + 1e-6)
@@ -519,36 +504,41 @@ def _replay_prep_kernel(
         k_f = 1.0
     q = q * q_f
     k = k * k_f
-    rk = rk.to(tl.float32)
     kq = tl.where(live, tl.sum(rk * q[None, :], 1), 0.0)  # [LP]: k_j . q (entries >= n unread)
     kk = tl.where(live, tl.sum(rk * k[None, :], 1), 0.0)
     k_dot_q = tl.sum(k * q)
 
-    g = gdn_log_decay(a_t, A_t, dtb)  # [GP]
-    alpha = tl.exp(g)
-    beta = gdn_beta(b_t)
-    G_n = tl.sum(tl.where(o_l[None, :] == n - 1, Gr, 0.0), 1)  # [GP]; 0 when the ring is empty
-    w = tl.where(m_gl, tl.exp(G_n[:, None] - Gr), 0.0)  # [GP, LP]
-    rd = rd.to(tl.float32)
-    r_q = tl.sum(rd * (w * kq[None, :])[:, :, None], 1)  # [GP, BVF]
-    r_k = tl.sum(rd * (w * kk[None, :])[:, :, None], 1)
-
-    base = row * HV + hv  # [GP]
-    p_rep = rep + base[:, None] * (2 * BVF) + o_v[None, :]
-    tl.store(p_rep, r_q, mask=m_g[:, None])
-    tl.store(p_rep + BVF, r_k, mask=m_g[:, None])
-    tl.store(wts + base[:, None] * LP + o_l[None, :], w, mask=m_g[:, None])
-    o_s2 = o_s[None, :]
-    scal = tl.where(o_s2 == 0, tl.exp(G_n)[:, None], tl.where(o_s2 == 1, alpha[:, None],
-           tl.where(o_s2 == 2, beta[:, None], tl.where(o_s2 == 3, k_dot_q,
-           tl.where(o_s2 == 4, q_f, k_f)))))
-    tl.store(sc + base[:, None] * 8 + o_s2, scal, mask=m_g[:, None])
-
-    if not flush:  # append this step's key and cumulative gate (the main kernel adds d)
-        tl.store(ring_g + slot * slot_stride_g + hv * L + n, G_n + g, mask=m_g)
+    if not flush:  # append this step's key (the main kernel adds d, the loop below G)
         tl.store(p_kr + n * K + o_k, k.to(ring_k.dtype.element_ty), mask=m_k)
     if i_h == 0:
         tl.store(meta + row, n | (flush.to(tl.int32) << 16))
+
+    for i in range(GROUP):
+        hv = i_h * GROUP + i
+        a_t = tl.load(a + row * stride_a + hv).to(tl.float32)
+        b_t = tl.load(b + row * stride_b + hv).to(tl.float32)
+        A_t = tl.load(A_log + hv).to(tl.float32)
+        dtb = tl.load(dt_bias + hv).to(tl.float32)
+        g = gdn_log_decay(a_t, A_t, dtb)
+        alpha = tl.exp(g)
+        beta = gdn_beta(b_t)
+        p_g = ring_g + slot * slot_stride_g + hv * L
+        Gr = tl.load(p_g + o_l, mask=live, other=0.0)
+        G_n = tl.sum(tl.where(o_l == n - 1, Gr, 0.0))  # 0 when the ring is empty
+        w = tl.where(live, tl.exp(G_n - Gr), 0.0)
+        p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
+        rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
+        rd = rd.to(tl.float32)
+        base = row * HV + hv
+        p_rep = rep + base * (2 * BVF) + o_v
+        tl.store(p_rep, tl.sum(rd * (w * kq)[:, None], 0))
+        tl.store(p_rep + BVF, tl.sum(rd * (w * kk)[:, None], 0))
+        tl.store(wts + base * LP + o_l, w)
+        scal = tl.where(o_s == 0, tl.exp(G_n), tl.where(o_s == 1, alpha, tl.where(o_s == 2, beta,
+               tl.where(o_s == 3, k_dot_q, tl.where(o_s == 4, q_f, k_f)))))
+        tl.store(sc + base * 8 + o_s, scal)
+        if not flush:
+            tl.store(p_g + n, G_n + g)
 
 
 @triton.jit
@@ -558,7 +548,7 @@ def _replay_main_kernel(
     slot_stride_state, slot_stride_d, slot_stride_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
-    FB: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    FB: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = (row, value head, block of BV value rows), value block fastest (as native).
     pid = tl.program_id(0)
@@ -583,7 +573,7 @@ def _replay_main_kernel(
     # Everything up to the wait depends only on the slot and the inputs (with PDL it loads
     # while the prep kernel runs).
     p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-    S_raw = tl.load(p_s, mask=m_vk, other=0.0)
+    S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
     p_x = qkv + row * stride_qkv
     q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -606,22 +596,8 @@ def _replay_main_kernel(
     r_q = tl.load(p_rep, mask=m_v, other=0.0)
     r_k = tl.load(p_rep + BVF, mask=m_v, other=0.0)
 
-    if DOT:
-        # S_c [q k] on the tensor cores: columns 0 and 1 of a [BK, 16] operand. An fp32
-        # checkpoint keeps fp32 accuracy through the 3-pass tf32 split; a 16-bit one multiplies
-        # in its own dtype (q, k rounded to it: error of the state's own order).
-        o_c = tl.arange(0, 16)
-        qk = tl.where(o_c[None, :] == 0, q[:, None], tl.where(o_c[None, :] == 1, k[:, None], 0.0))
-        if S_raw.dtype == tl.float32:
-            acc = tl.dot(S_raw, qk, input_precision="tf32x3")
-        else:
-            acc = tl.dot(S_raw, qk.to(S_raw.dtype))
-        Sq = eG * tl.sum(tl.where(o_c[None, :] == 0, acc, 0.0), 1) + r_q
-        Sk = eG * tl.sum(tl.where(o_c[None, :] == 1, acc, 0.0), 1) + r_k
-    else:
-        S = S_raw.to(tl.float32)
-        Sq = eG * tl.sum(S * q[None, :], 1) + r_q
-        Sk = eG * tl.sum(S * k[None, :], 1) + r_k
+    Sq = eG * tl.sum(S * q[None, :], 1) + r_q
+    Sk = eG * tl.sum(S * k[None, :], 1) + r_k
     d = beta * (v - alpha * Sk)
     o = alpha * Sq + d * k_dot_q
     tl.store(p_out, o.to(out.dtype.element_ty), mask=m_v)
@@ -653,103 +629,6 @@ def _replay_main_kernel(
     else:
         tl.store(p_dr + n * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
     if (i_hv == 0) & (i_v == 0):
-        tl.store(cursor + slot, tl.where(flush, 0, n + 1))
-
-
-@triton.jit
-def _replay_main_loop_kernel(
-    qkv, out, state, idx, ring_d, ring_k, cursor, rep, sc, wts, meta,
-    stride_qkv, stride_idx,
-    slot_stride_state, slot_stride_d, slot_stride_k,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, LP: tl.constexpr,
-    NSPLIT: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # Program = (row, value head, one of NSPLIT runs of CH chunks of BV value rows). The chunk
-    # loop is software-pipelined (STAGES): the next chunks' checkpoint tiles are copied to shared
-    # memory asynchronously while this one is reduced, so a program keeps several tiles in
-    # flight without holding them in registers (a read-only stream needs about twice native's
-    # loads in flight: native's stores do not wait).
-    pid = tl.program_id(0)
-    i_s = pid % NSPLIT
-    i_hv = (pid // NSPLIT) % HV
-    row = (pid // (NSPLIT * HV)).to(tl.int64)
-    GROUP: tl.constexpr = HV // H
-    i_h = i_hv // GROUP
-
-    o_k = tl.arange(0, BK)
-    o_b = tl.arange(0, BV)
-    m_k = o_k < K
-    v0 = i_s * (CH * BV)
-
-    p_out = out + (row * HV + i_hv) * V
-    slot = tl.load(idx + row * stride_idx).to(tl.int64)
-    if slot <= 0:
-        for c in range(CH):
-            o_v = v0 + c * BV + o_b
-            tl.store(p_out + o_v, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=o_v < V)
-        return
-
-    p_s0 = state + slot * slot_stride_state + i_hv * (V * K)
-    p_x = qkv + row * stride_qkv
-    q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    info = tl.load(meta + row)
-    n = info & 0xFFFF
-    flush = (info >> 16) != 0
-    base = row * HV + i_hv
-    p_sc = sc + base * 8
-    eG = tl.load(p_sc)
-    alpha = tl.load(p_sc + 1)
-    beta = tl.load(p_sc + 2)
-    k_dot_q = tl.load(p_sc + 3)
-    q = q * tl.load(p_sc + 4)
-    k = k * tl.load(p_sc + 5)
-    p_rep = rep + base * (2 * BVF)
-    p_dr = ring_d + slot * slot_stride_d + i_hv * (L * V)
-    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
-    p_w = wts + base * LP
-
-    for c in tl.range(0, CH, num_stages=STAGES):
-        o_v = v0 + c * BV + o_b
-        m_v = o_v < V
-        m_vk = m_v[:, None] & m_k[None, :]
-        p_s = p_s0 + o_v[:, None] * K + o_k[None, :]
-        S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
-        v = tl.load(p_x + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        r_q = tl.load(p_rep + o_v, mask=m_v, other=0.0)
-        r_k = tl.load(p_rep + BVF + o_v, mask=m_v, other=0.0)
-        Sq = eG * tl.sum(S * q[None, :], 1) + r_q
-        Sk = eG * tl.sum(S * k[None, :], 1) + r_k
-        d = beta * (v - alpha * Sk)
-        o = alpha * Sq + d * k_dot_q
-        tl.store(p_out + o_v, o.to(out.dtype.element_ty), mask=m_v)
-        if flush:  # park d in this chunk's r_q slice (just read, nobody else's) for the fold below
-            tl.store(p_rep + o_v, d, mask=m_v)
-        else:
-            tl.store(p_dr + n * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
-    if flush:
-        # S_new = alpha (exp(G_n) S_c + sum_{j<n} w_j d_j k_j^T) + d k^T, chunk by chunk from the
-        # checkpoint (re-read: a cache hit), outside the pipelined loop so that its registers
-        # are not live beside the loop's buffers.
-        tl.debug_barrier()
-        for c in range(0, CH):
-            o_v = v0 + c * BV + o_b
-            m_v = o_v < V
-            m_vk = m_v[:, None] & m_k[None, :]
-            p_s = p_s0 + o_v[:, None] * K + o_k[None, :]
-            S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32) * eG
-            for j in range(0, n):
-                w_j = tl.load(p_w + j)
-                d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-                k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                S += (w_j * d_j)[:, None] * k_j[None, :]
-            d = tl.load(p_rep + o_v, mask=m_v, other=0.0)
-            S = alpha * S + d[:, None] * k[None, :]
-            tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
-    if (i_hv == 0) & (i_s == 0):
         tl.store(cursor + slot, tl.where(flush, 0, n + 1))
 
 
@@ -842,44 +721,49 @@ def _row_flags(flags: torch.Tensor | None, n: int, name: str, device) -> tuple[t
 #   group_heads   fused kernel: one program loops over the HV/H value heads of a key head
 #   mode          0 = fused single kernel; 1 = two-phase (prep kernel per row and key head does
 #                 the O(L K) ring work once, the main kernel streams the state); 2 = two-phase
-#                 with programmatic dependent launch (Hopper+)
-#   nsplit        two-phase: programs per (row, value head), each looping over its share of the
-#                 V / BV chunks (default: one chunk per program)
+#                 with programmatic dependent launch (Hopper+); 3 = replay-vector two-phase (the
+#                 prep also folds the live ring d entries into r_q / r_k, the main kernel is
+#                 native's shape); 4 = mode 3 with programmatic dependent launch
+#   nsplit        modes 1 / 2: programs per (row, value head), each looping over its share of the
+#                 V / BV chunks (default: one chunk per program); modes 3 / 4: warps per prep
+#                 program (default 1)
 #
-# Table from the H200 sweeps in benchmarks/results/kernel_decode_sweep.json (Triton 3.6;
-# K=V=128, L=16, bf16 activations and ring; pairs = rows x value heads, thresholds scaled by
-# SMs/132). Small launches are latency-bound: one fused kernel, small tiles. From ~512 pairs on
-# the two-phase launch with 8-row tiles was fastest for every state dtype (ties within 1-2% at
-# the threshold); PDL and chunk loops (nsplit) measured no better, so the table does not use them.
+# Table from the H200 sweeps of 2026-12-01 (benchmarks/results/kernel_decode_sweeps_2026-12-01/;
+# Triton 3.6, K=V=128, L=16, bf16 activations; pairs = rows x value heads, thresholds scaled by
+# SMs/132). Small launches are latency-bound: one fused kernel, small tiles (its first tiles are
+# loaded before the cursor ticket). From 512 pairs the two-phase launch with 8-row tiles. From
+# 8192 pairs with a 16-bit state or a 16-bit ring, the replay-vector form: its main kernel runs
+# at 62-82% of DRAM bandwidth where mode 1's runs at 54-77% (Nsight Compute, batch 512), which
+# pays for its slower prep kernel (34-46 us at batch 512, mode 1's 19-23 us) only at large
+# batch. With fp32 ring entries its prep reads twice the bytes and mode 1 stays.
 #
-# With fp32 ring entries (the integration's default for an fp32 state) the fused kernel's
-# prefetched ring keys cost registers; a separate sweep (kernel_decode_fp32ring_small_sweep.json)
-# put the two-phase launch with PDL first at <= 128 pairs and 32-row fused tiles up to 512.
-#
-#   state    ring    pairs        config
-#   fp32     fp32    <= 128       (8, 1, -, -, two-phase + PDL)
-#   fp32     fp32    < 512        (32, 1, prefetch)                 fused
-#   fp32     16-bit  < 512        (16, 1, prefetch)                 fused
-#   16-bit   any     <= 128       (16, 1, prefetch)                 fused
-#   16-bit   any     < 512        (32, 1, prefetch)                 fused
-#   any      any     >= 512       (8, 1, -, -, two-phase)
+#   state    ring    pairs          config
+#   any      any     <= 32          (8, 1, prefetch)                 fused
+#   fp32     any     <= 64          (16, 1, prefetch)                fused
+#   any      any     < 512          (32, 1, prefetch)                fused
+#   16-bit   any     >= 8192        (16, 1, -, -, replay)
+#   fp32     16-bit  >= 8192        (8, 1, -, -, replay)
+#   any      any     >= 512         (8, 1, -, -, two-phase)
 def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device,
                        H: int | None = None, ring_dtype: torch.dtype | None = None) -> tuple:
     """Launch configuration for a decode launch of N rows (see the table above)."""
     bv_max = max(16, triton.next_power_of_2(V))
     scale = _num_sms(torch.device(device)) / 132.0
     pairs = N * HV / scale
+    fp32_state = state_dtype == torch.float32
     if pairs >= 512:
+        if pairs >= 8192 and not fp32_state:
+            return (16, 1, False, False, 3, 1)
+        if pairs >= 8192 and ring_dtype != torch.float32:
+            return (8, 1, False, False, 3, 1)
         return (8, 1, False, False, 1)
-    if state_dtype == torch.float32 and ring_dtype == torch.float32:
-        if pairs <= 128:
-            return (8, 1, False, False, 2)
-        return (min(32, bv_max), 1, True, False)
-    if state_dtype == torch.float32 or pairs <= 128:
-        cfg = (16, 1, True, False)
+    if pairs <= 32:
+        bv = 8
+    elif pairs <= 64 and fp32_state:
+        bv = 16
     else:
-        cfg = (32, 1, True, False)
-    return (min(cfg[0], bv_max),) + cfg[1:]
+        bv = 32
+    return (min(bv, bv_max), 1, True, False)
 
 
 def ring_decode(
@@ -931,7 +815,7 @@ def ring_decode(
     LP = max(16, triton.next_power_of_2(L))
     if config is None:
         config = pick_decode_config(N, HV, K, V, state.dtype, dev, H, ring_d.dtype)
-    if len(config) > 4 and config[4] in (3, 4, 5, 6):
+    if len(config) > 4 and config[4] in (3, 4):
         _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, state_indices,
                                  ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, use_qk_l2norm,
                                  H, HV, K, V, L, BK, LP, (ss, sd, sk, sg), config)
@@ -1010,16 +894,15 @@ def _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
 def _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
                              ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, l2norm,
                              H, HV, K, V, L, BK, LP, strides, config):
-    """Launch the replay-vector prep and main kernels: config = (BV, num_warps, dot, -, mode[,
-    prep_warps]), mode 3, or 4 with programmatic dependent launch (Hopper and newer); dot: the
-    checkpoint mat-vecs on the tensor cores (BV >= 16); prep_warps: warps per prep program
-    (default 4)."""
+    """Launch the replay-vector prep and main kernels: config = (BV, num_warps, -, -, mode[,
+    prep_warps]), mode 3, or 4 with programmatic dependent launch (Hopper and newer);
+    prep_warps: warps per prep program (default 1)."""
     ss, sd, sk, sg = strides
     N = mixed_qkv.shape[0]
     BVF = max(16, triton.next_power_of_2(V))
     BV = min(config[0], BVF)
     NV = triton.cdiv(V, BV)
-    pdl = config[4] in (4, 6) and state.is_cuda and torch.cuda.get_device_capability(state.device)[0] >= 9
+    pdl = config[4] == 4 and state.is_cuda and torch.cuda.get_device_capability(state.device)[0] >= 9
     dev = state.device
     rep = torch.empty(N, HV, 2, BVF, dtype=torch.float32, device=dev)
     sc = torch.empty(N, HV, 8, dtype=torch.float32, device=dev)
@@ -1030,28 +913,15 @@ def _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3
         ff if ff is not None else idx, se if se is not None else idx,
         rep, sc, wts, meta, float(scale),
         mixed_qkv.stride(0), a.stride(0), b.stride(0), idx.stride(0), s_ff, s_se, sd, sk, sg,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BVF=BVF, LP=LP, GP=triton.next_power_of_2(HV // H),
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BVF=BVF, LP=LP,
         HAS_FF=ff is not None, HAS_SE=se is not None, L2NORM=bool(l2norm), USE_PDL=pdl,
-        num_warps=config[5] if len(config) > 5 and config[5] else 4, num_stages=1,
+        num_warps=config[5] if len(config) > 5 and config[5] else 1, num_stages=1,
     )
     extra = {"launch_pdl": True} if pdl else {}
-    if config[4] in (5, 6):  # the pipelined chunk-loop main kernel
-        nsplit = min(config[6], NV) if len(config) > 6 and config[6] else 1
-        CH = triton.cdiv(NV, nsplit)
-        nsplit = triton.cdiv(NV, CH)
-        _replay_main_loop_kernel[(N * HV * nsplit,)](
-            mixed_qkv, out3, state, idx, ring_d, ring_k, cursor, rep, sc, wts, meta,
-            mixed_qkv.stride(0), idx.stride(0), ss, sd, sk,
-            H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, BVF=BVF, LP=LP, NSPLIT=nsplit, CH=CH,
-            STAGES=max(1, int(config[2])), USE_PDL=pdl,
-            num_warps=config[1], num_stages=max(1, int(config[2])), **extra,
-        )
-        return
     _replay_main_kernel[(N * HV * NV,)](
         mixed_qkv, out3, state, idx, ring_d, ring_k, cursor, rep, sc, wts, meta,
         mixed_qkv.stride(0), idx.stride(0), ss, sd, sk,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, BVF=BVF, LP=LP, NV=NV, FB=min(BV, 8),
-        DOT=bool(config[2]) and BV >= 16 and BK >= 16, USE_PDL=pdl,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, BVF=BVF, LP=LP, NV=NV, FB=min(BV, 8), USE_PDL=pdl,
         num_warps=config[1], num_stages=1, **extra,
     )
 

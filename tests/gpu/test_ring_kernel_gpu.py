@@ -224,23 +224,11 @@ CASES = [
     ("gqa8_fp32_replay_bv32_w2", 1, 8, 128, 128, 16, F32, F32, (32, 2, False, False, 3, 2)),
     ("gqa1_fp16_replay_bv16", 2, 2, 128, 128, 16, F16, F16, (16, 1, False, False, 3, 1)),
     ("gqa4_fp32_fp16ring_replay_pdl_bv32", 2, 8, 128, 128, 16, F32, F16, (32, 1, False, False, 4, 1)),
-    # ... with the checkpoint mat-vecs on the tensor cores (tf32x3 for fp32, 16-bit operands else)
-    ("gqa4_fp16_replay_dot_bv32", 2, 8, 128, 128, 16, F16, F16, (32, 1, True, False, 3, 1)),
-    ("gqa2_fp32_replay_dot_bv32_w2", 2, 4, 128, 128, 16, F32, F32, (32, 2, True, False, 3, 1)),
-    ("gqa3_bf16_replay_dot_bv64_w2_pdl", 2, 6, 128, 128, 16, BF16, BF16, (64, 2, True, False, 4, 1)),
-    ("k64_gqa2_fp32_bf16ring_replay_dot_bv16", 2, 4, 64, 64, 16, F32, BF16, (16, 1, True, False, 3, 1)),
-    ("gqa4_fp16_replay_dot_bv64_w4", 2, 8, 128, 128, 16, F16, F16, (64, 4, True, False, 3, 1)),
-    # ... with the pipelined chunk-loop main kernel (third element: stages; seventh: programs
-    # per (row, value head))
-    ("gqa4_fp32_replay_loop_bv16_w2_s3", 2, 8, 128, 128, 16, F32, F32, (16, 2, 3, False, 5, 4, 1)),
-    ("gqa2_fp16_replay_loop_bv8_s3_pdl", 2, 4, 128, 128, 16, F16, F16, (8, 1, 3, False, 6, 4, 1)),
-    ("gqa3_bf16_replay_loop_bv16_split2_pdl", 2, 6, 128, 128, 16, BF16, BF16, (16, 2, 2, False, 6, 8, 2)),
-    ("k64_gqa2_fp32_bf16ring_replay_loop_bv16", 2, 4, 64, 64, 16, F32, BF16, (16, 1, 3, False, 5, 4, 1)),
-    ("gqa8_fp32_replay_prep8_bv8", 1, 8, 128, 128, 16, F32, F32, (8, 1, False, False, 3, 8)),
+    ("gqa8_fp32_replay_prep2_bv8", 1, 8, 128, 128, 16, F32, F32, (8, 1, False, False, 3, 2)),
 ]
 
 TWO_PHASE_PDL = (8, 1, True, False, 2, 4)
-REPLAY_PDL = (16, 2, 3, False, 6, 4, 1)
+REPLAY_PDL = (16, 1, False, False, 4, 1)
 
 
 @pytest.mark.parametrize("name,H,HV,K,V,L,sdt,rdt,config", CASES, ids=[c[0] for c in CASES])
