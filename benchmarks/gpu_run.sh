@@ -35,8 +35,6 @@
 #   bash benchmarks/gpu_run.sh vltree .work/vl033.tar.xz   # unpack it to /tmp/vl
 #   bash benchmarks/gpu_run.sh ktest                        # tests/gpu, errors to $OUT
 #   bash benchmarks/gpu_run.sh kbench [kernel_decode.py args]
-#   bash benchmarks/gpu_run.sh chunk     # the chunked verify form: its GPU tests, then kernel_spec
-#     --mode chunked --sweep, --profile and the full table, to $OUT/chunk_{sweep,profile,table}
 #   bash benchmarks/gpu_run.sh mtpprof   # (needs install) MTP T=3 batch 256, AB, with
 #     --profile-batch 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
 set -euo pipefail
@@ -115,15 +113,6 @@ case "${1:?step}" in
     RING_KERNEL_GPU_REPORT="$OUT/gpu_test_errors.jsonl" python3 -m pytest -q -n 8 ${KTESTS:-tests/gpu/test_ring_kernel_gpu.py} 2>&1 | tail -15 ;;
   kbench)
     shift; python3 benchmarks/kernel_decode.py --vllm-root /tmp/vl --out-dir "$OUT" "$@" 2>&1 | tail -80 ;;
-  chunk)
-    rc=0
-    python3 -m pytest -q -n 8 tests/gpu/test_ring_verify_gpu.py -k chunked 2>&1 | tail -6 || rc=1
-    for what in sweep profile table; do
-      flag=""; [ $what = table ] || flag="--$what"
-      python3 benchmarks/kernel_spec.py --vllm-root /tmp/vl --mode chunked $flag --out-dir "$OUT/chunk_$what" \
-        2>&1 | tail -16 || rc=1
-    done
-    exit $rc ;;
   mtpprof)
     python3 benchmarks/e2e_decode.py --mtp 3 --batches 256 --order AB --repeats 1 --cudagraph-mode FULL_DECODE_ONLY \
       --compile-mode 0 --profile-batch 256 --out "$OUT/mtp3_profile.json" 2>&1 | tail -20 ;;

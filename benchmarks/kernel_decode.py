@@ -69,7 +69,9 @@ L = 16
 SWEEP = [(8, 1, True, False), (16, 1, True, False), (32, 1, True, False),
          (8, 1, False, False, 1), (8, 1, False, False, 2),
          (8, 1, False, False, 3, 1), (16, 1, False, False, 3, 1), (32, 1, False, False, 3, 1),
-         (16, 1, False, False, 4, 1), (32, 1, False, False, 4, 1)]
+         (16, 1, False, False, 4, 1), (32, 1, False, False, 4, 1),
+         (8, 2, True, False), (16, 2, True, False), (32, 2, True, False), (32, 4, True, False),
+         (64, 4, True, False)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 

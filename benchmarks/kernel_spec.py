@@ -69,10 +69,8 @@ STEPS = 8  # steps per captured graph (one acceptance table)
 REPLAYS = 15
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 32
-MAIN_MODE = "parallel"  # the launch form timed as "ours" (--mode): "parallel" (the default) or "chunked"
-PARALLEL_CONFIG = None  # (BV, num_warps) for that form; None: ring_verify's default
-SWEEP_CONFIGS = {"parallel": [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)],
-                 "chunked": [(16, 2), (16, 4), (32, 4), (64, 8)]}  # as the GPU tests' launches
+PARALLEL_CONFIG = None  # (BV, num_warps) for the parallel form; None: ring_verify's default
+SWEEP_CONFIGS = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]  # as the GPU tests' launches
 SWEEP_CELLS = [(8, 256), (8, 64), (4, 16)]  # (T, batch)
 CONV_KERNEL = 4
 NATIVE_FILE = os.path.join("vllm", "third_party", "flash_linear_attention", "ops", "fused_sigmoid_gating.py")
@@ -166,7 +164,7 @@ class Layer:
 
         ring_verify(self.qkv, self.a, self.b, self.A_log, self.dt_bias, self.kd ** -0.5, self.state, self.out,
                     self.idx, self.cu, self.ring_d, self.ring_k, self.ring_g, self.cursor, acc, self.W,
-                    mode=mode or MAIN_MODE, config=PARALLEL_CONFIG if mode in (None, MAIN_MODE) else None)
+                    mode=mode, config=PARALLEL_CONFIG if mode in (None, "parallel") else None)
         return self.out
 
     def native(self, fn, acc):
@@ -360,7 +358,7 @@ def profile_cells(native_fn, dev, out_dir, cells=((8, 256), (4, 16))):
 
 
 def sweep(native_fn, dev, out_dir):
-    """Launch configurations (BV, num_warps) of the --mode form at a few cells, native in the
+    """Launch configurations (BV, num_warps) of the parallel form at a few cells, native in the
     same graphs' rotation; prints one line per variant and writes kernel_spec_sweep.json."""
     global PARALLEL_CONFIG
     rows = []
@@ -368,7 +366,7 @@ def sweep(native_fn, dev, out_dir):
         ours, nat = cell_layers(B, T, dev)
         acc_u = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
         graphs = {"native": (_capture(arm_steps(nat, acc_u, lambda lay, acc: lay.native(native_fn, acc))), len(nat))}
-        for cfg in SWEEP_CONFIGS[MAIN_MODE]:
+        for cfg in SWEEP_CONFIGS:
             PARALLEL_CONFIG = cfg  # read by Layer.ours while the graph is captured
             try:
                 graphs[cfg] = (_capture(arm_steps(ours, acc_u, lambda lay, acc: lay.ours(acc))), len(ours))
@@ -388,7 +386,7 @@ def sweep(native_fn, dev, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "kernel_spec_sweep.json"), "w") as f:
         json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "device": torch.cuda.get_device_name(0), "mode": MAIN_MODE, "rows": rows}, f, indent=1)
+                   "device": torch.cuda.get_device_name(0), "mode": "parallel", "rows": rows}, f, indent=1)
 
 
 def write_results(res, out_dir):
@@ -465,16 +463,13 @@ def main(argv=None):
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1")
     ap.add_argument("--parallel-config", default=None, metavar="BV,WARPS",
-                    help="launch config of the --mode form (default: ring_verify's)")
-    ap.add_argument("--mode", choices=["parallel", "chunked"], default="parallel",
-                    help="the launch form timed as ours (default parallel, ring_verify's default)")
+                    help="launch config of the parallel form (default: ring_verify's)")
     ap.add_argument("--sweep", action="store_true",
-                    help="time the --mode form's launch configs at a few cells, then stop")
+                    help="time the parallel form's launch configs at a few cells, then stop")
     ap.add_argument("--profile", action="store_true",
                     help="device time per kernel and the memory roofline at T=8/B=256 and T=4/B=16, then stop")
     args = ap.parse_args(argv)
-    global PARALLEL_CONFIG, MAIN_MODE
-    MAIN_MODE = args.mode
+    global PARALLEL_CONFIG
     if args.parallel_config:
         PARALLEL_CONFIG = tuple(int(x) for x in args.parallel_config.split(","))
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
@@ -513,7 +508,7 @@ def main(argv=None):
         "native": info, "shape": {"H": H, "HV": HV, "K": HEAD, "V": HEAD, "L": L, "state": "fp32",
                                   "activations": "bf16", "ring": str(RING_DTYPE).replace("torch.", "")},
         "steps_per_graph": STEPS, "replays": REPLAYS, "sanity_rel_diff": err, "sanity_rel_diff_serial": err_s,
-        "cells": cells, "default_mode": MAIN_MODE, "parallel_config": PARALLEL_CONFIG,
+        "cells": cells, "default_mode": "parallel", "parallel_config": PARALLEL_CONFIG,
         "summary": {"speedup_b256_t8": pick["speedup"], "speedup_b256_t8_all_accepted": pick["speedup_all_accepted"],
                     "speedup_b256_t8_serial": pick["speedup_serial"], **cache_summary()},
         "seconds": round(time.time() - t0, 1),

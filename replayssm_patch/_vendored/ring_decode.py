@@ -16,27 +16,32 @@ How a decode step works here (per row, per value head, per block of BV value cha
                in the state dtype; cursor = 0. (A tl.dot here spilled kilobytes of registers
                under Triton 3.6 and made whole-V tiles 6-9x slower.)
 
-Two launch forms (`pick_decode_config` chooses by batch size and state dtype):
+Three launch forms (`pick_decode_config` chooses by batch size and dtypes):
 
 * fused (small batches, latency-bound): one kernel, grid 1-D over (row, block of value heads,
   block of BV value rows), the value block fastest so the programs of one row and key head run
   next to each other (q, k and ring-key loads hit L2). A head block is one value head, or
-  (group_heads) all HV/H value heads of one key head, looped over inside the program.
+  (group_heads) all HV/H value heads of one key head, looped over inside the program. The
+  first head's tiles are loaded before the cursor ticket, so their round trip overlaps it.
 * two-phase (from ~512 row x value-head pairs): a prep kernel per (row, key head) does the
   per-row work once -- cursor and flags, q/k normalisation, the ring-key dot products k_j.q and
   k_j.k, gating, the replay weights -- and writes them to a small scratch; the main kernel per
   (row, value head, BV rows) then only streams its checkpoint tile and live ring d entries.
   The prep kernel reads the cursor, the main kernel writes it (one program per row), so no
   atomics are needed: the kernel boundary orders every read before the write.
+* replay-vector two-phase (from ~8192 pairs with a 16-bit state or ring): the prep kernel also
+  folds the live ring d entries into two vectors per value head, so the main kernel has
+  native's shape and converts no layout (see the section above `_replay_prep_kernel`).
 
-Where the time goes (H200, Triton 3.6; Nsight Compute on batch 512, 64 value heads, fp16
-state): native decode runs at 84% of DRAM bandwidth (168 registers, 19% occupancy). The fused
-kernel with 32-row tiles needs 254 registers (12.5% occupancy) and reaches 40% of DRAM
-bandwidth: latency-bound. The two-phase main kernel with 8-row tiles needs 80 registers (37.5%
-occupancy) but is then issue-bound (SM throughput 74%, DRAM 43%): per state element it does
-what native does minus the rank-1 update, yet over half the bytes. Hence with an fp32 state we
-win clearly (bytes dominate) and with a 16-bit state by less. See
-benchmarks/results/kernel_decode.md and ncu_decode_b512_fp16.txt there.
+Where the time goes (H200, Triton 3.6; Nsight Compute at batch 512, 32 value heads; details
+in benchmarks/results/kernel_decode_sweeps_2026-12-01/README.md): native decode runs at 83-84%
+of DRAM bandwidth (168-207 registers, 17-19% occupancy). With an fp16 state the two-phase main
+kernel (8-row tiles) reaches 54% and the replay-vector main kernel (32-row tiles) 66%: both
+are latency-bound, waiting on their loads with few warps resident (0.46 instructions issued
+per scheduler per cycle). Native's stores do not make a warp wait, so it keeps the DRAM busy
+with half our warps; a read-mostly kernel needs about twice the loads in flight, which neither
+smaller tiles, a shared-memory pipelined loop nor tensor-core dots gave under Triton 3.6. With
+an fp32 state the main kernels reach 77-82% and we win clearly (bytes dominate).
 
 The cursor race (fused form). Every program of a row needs the row's cursor n, and the new cursor may only
 be written after all of them have read it. Triton has no grid-wide barrier, so the read itself

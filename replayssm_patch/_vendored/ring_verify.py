@@ -73,13 +73,9 @@ are multiplied by alpha_t per step instead of recomputed; a flush is rank-1 upda
 ring_decode. (tl.dot forms of the parallel kernels, fp32 "ieee" or "tf32x3", measured
 0.03-0.62x native on an H200: small tiles cost up to 255 registers and 1 block per SM.) Both
 forms store the flushed tile in the state dtype and continue from the stored (rounded)
-checkpoint. The chunked form (mode="chunked", same prep and finish kernels as the parallel
-form) removes the token-by-token loop that bounds the parallel main kernel: it treats the
-window as one chunk, D = (I + N)^-1 beta (V - B) with N the window's strictly lower triangular
-key-key matrix (so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...), and forms every token's
-products with the checkpoint tile, the committed entries and the window as tl.dot products
-(fp32, "ieee"); correct under the interpreter and in the GPU tests' dry run, not yet timed on
-a GPU (`benchmarks/kernel_spec.py --mode chunked`).
+checkpoint. (A chunked main kernel -- the window solved as one chunk, D = (I + N)^-1 beta
+(V - B), in tl.dot products -- measured 0.58-0.93x native on an H200, its kernel 1610 us vs
+907 us for the parallel main kernel at batch 256, T=8: removed.)
 
 Requirements: the valid rows of one launch name distinct slots (vLLM guarantees this);
 1 <= max_tokens <= L <= 255; each row has at most `max_tokens` tokens (the launcher cannot
@@ -124,7 +120,7 @@ def _committed_count(word, acc, row, stride_acc, L: tl.constexpr, HAS_ACC: tl.co
 @triton.jit
 def _slot_ring(cursor, slot, acc, row, stride_acc, ring_g, slot_stride_g, hv, o_l, W,
                L: tl.constexpr, HAS_ACC: tl.constexpr):
-    """What a main-kernel program of the parallel and chunked forms knows about its slot's ring:
+    """What a main-kernel program of the parallel form knows about its slot's ring:
     committed count n, whether the window flushes first, the entries it replays (n_w; none
     after a flush), the live/replayed position masks over o_l, the gates G_j and G_n."""
     # The cursor word is unchanged during the launch (only the finish kernel writes it).
@@ -479,125 +475,6 @@ def _ring_verify_block_kernel(
 
 
 @triton.jit
-def _ring_verify_chunk_kernel(
-    qkv, a, A_log, dt_bias, out, state, idx, cu, acc,
-    ring_d, ring_k, ring_g, cursor, gram,
-    stride_qkv, stride_a, stride_idx, stride_acc,
-    slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
-    NV: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, LOG2WP: tl.constexpr, HAS_ACC: tl.constexpr,
-):
-    # The window as one chunk (the "chunked" form; same programs, prologue and flush as the
-    # block kernel). With c_t the window's cumulative log-decay and G0 = G_n (0 after a flush),
-    # for token t of the window:
-    #   b_t = exp(G0 + c_t) S_c k_t + sum_{p<n_w} exp(G0 - G_p + c_t) (k_p . k_t) d_p
-    #   d_t = beta_t (v_t - b_t - sum_{u<t} exp(c_t - c_u) (k_u . k_t) d_u)
-    #   o_t = exp(G0 + c_t) S_c q_t + sum_{p<n_w} exp(G0 - G_p + c_t) (k_p . q_t) d_p
-    #         + sum_{u<=t} exp(c_t - c_u) (k_u . q_t) d_u
-    # so D = (I + N)^-1 beta (V - B) with N[t, u] = beta_t exp(c_t - c_u) (k_u . k_t), u < t:
-    # strictly lower triangular, N^WP = 0, hence (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...
-    # Every step is a product of small tiles (fp32, "ieee"): no token-by-token loop.
-    pid = tl.program_id(0)
-    jv = pid % NV
-    hv = (pid // NV) % HV
-    row = (pid // (NV * HV)).to(tl.int64)
-    GROUP: tl.constexpr = HV // H
-    i_h = hv // GROUP
-    i_g = hv % GROUP
-
-    o_k = tl.arange(0, BK)
-    o_w = tl.arange(0, WP)
-    o_l = tl.arange(0, LP)
-    o_v = jv * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-
-    slot = tl.load(idx + row * stride_idx).to(tl.int64)
-    lo, W = _row_window(cu, row, MAXT)
-    m_w = o_w < W
-    tok = lo + o_w
-    m_wv = m_w[:, None] & m_v[None, :]
-    p_o = out + (tok[:, None] * HV + hv) * V + o_v[None, :]
-
-    if slot <= 0:
-        # NULL block (0) or padding (-1): zero outputs for this block's rows, touch nothing else.
-        tl.store(p_o, tl.zeros([WP, BV], dtype=tl.float32).to(out.dtype.element_ty), mask=m_wv)
-        return
-
-    n, flush, n_w, live, live_v, Gc, G_n = _slot_ring(cursor, slot, acc, row, stride_acc, ring_g,
-                                                      slot_stride_g, hv, o_l, W, L, HAS_ACC)
-
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[None, :] * K + o_k[:, None]
-    S = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
-    p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
-    if flush:
-        # Fold the committed entries into this program's rows as one [BK, LP] x [LP, BV] product,
-        # store in the state dtype and continue from the stored (rounded) checkpoint.
-        p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
-        Kr = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
-        Dr = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
-        w_f = tl.where(live, tl.exp(G_n - Gc), 0.0)  # [LP]
-        S = S * tl.exp(G_n) + tl.dot(tl.trans(Kr.to(tl.float32)), Dr.to(tl.float32) * w_f[:, None],
-                                     input_precision="ieee")
-        S = S.to(state.dtype.element_ty)
-        tl.store(p_s, S, mask=m_kv)
-        S = S.to(tl.float32)
-        tl.debug_barrier()  # every lane has read the d entries the window overwrites
-    R = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live_v[:, None] & m_v[None, :], other=0.0)
-    R = R.to(tl.float32)  # [LP, BV] committed d entries (zero past n_w)
-
-    # Key-side products from the prep kernel's gram rows (rows t >= W were never written).
-    p_gr = gram + (row * H + i_h) * (WP * RW)
-    X0: tl.constexpr = 2 * LP
-    g_row = p_gr + o_w * RW
-    KQ = tl.load(g_row[:, None] + o_l[None, :], mask=m_w[:, None], other=0.0)  # q_t . k_p
-    KK = tl.load(g_row[:, None] + LP + o_l[None, :], mask=m_w[:, None], other=0.0)  # k_t . k_p
-    m_ww = m_w[:, None] & m_w[None, :]
-    KQw = tl.load(g_row[:, None] + n_w + o_w[None, :], mask=m_ww, other=0.0)  # q_t . k_u (window)
-    KKw = tl.load(g_row[:, None] + LP + n_w + o_w[None, :], mask=m_ww, other=0.0)  # k_t . k_u
-    sq = tl.load(g_row + X0, mask=m_w, other=0.0)
-    sk = tl.load(g_row + X0 + 1, mask=m_w, other=0.0)
-    beta = tl.load(g_row + X0 + 2 + GP + i_g, mask=m_w, other=0.0)
-    A_h = tl.load(A_log + hv).to(tl.float32)
-    dtb = tl.load(dt_bias + hv).to(tl.float32)
-    a_t = tl.load(a + tok * stride_a + hv, mask=m_w, other=0.0).to(tl.float32)
-    c = tl.cumsum(tl.where(m_w, gdn_log_decay(a_t, A_h, dtb), 0.0), 0)  # [WP]
-    G0 = tl.where(flush, 0.0, G_n)
-    E = tl.exp(G0 + c)  # weight of S_c at token t
-
-    m_wk = m_w[:, None] & m_k[None, :]
-    Q = tl.load(qkv + tok[:, None] * stride_qkv + i_h * K + o_k[None, :], mask=m_wk, other=0.0)
-    Q = Q.to(tl.float32) * sq[:, None]
-    Kt = tl.load(qkv + tok[:, None] * stride_qkv + H * K + i_h * K + o_k[None, :], mask=m_wk, other=0.0)
-    Kt = Kt.to(tl.float32) * sk[:, None]
-    Vt = tl.load(qkv + tok[:, None] * stride_qkv + 2 * H * K + hv * V + o_v[None, :], mask=m_wv, other=0.0)
-    Vt = Vt.to(tl.float32)
-
-    # Committed part and checkpoint part, every token at once: [WP, BV]
-    Wc = tl.where(m_w[:, None] & live_v[None, :], tl.exp(G0 - Gc[None, :] + c[:, None]), 0.0)  # [WP, LP]
-    B = E[:, None] * tl.dot(Kt, S, input_precision="ieee") + tl.dot(Wc * KK, R, input_precision="ieee")
-    O = E[:, None] * tl.dot(Q, S, input_precision="ieee") + tl.dot(Wc * KQ, R, input_precision="ieee")
-
-    # The window's own entries
-    dec = tl.exp(tl.minimum(c[:, None] - c[None, :], 0.0))  # [WP(t), WP(u)]; u > t masked below
-    Nm = tl.where(o_w[None, :] < o_w[:, None], beta[:, None] * dec * KKw, 0.0)
-    Cq = tl.where(o_w[None, :] <= o_w[:, None], dec * KQw, 0.0)
-    eye = tl.where(o_w[:, None] == o_w[None, :], 1.0, 0.0)
-    P = eye - Nm
-    Np = Nm
-    for _ in tl.static_range(1, LOG2WP):
-        Np = tl.dot(Np, Np, input_precision="ieee")
-        P = tl.dot(P, eye + Np, input_precision="ieee")
-    D = tl.dot(P, beta[:, None] * (Vt - B), input_precision="ieee")  # [WP, BV], unrounded
-    O += tl.dot(Cq, D, input_precision="ieee")
-
-    tl.store(p_o, O.to(out.dtype.element_ty), mask=m_wv)
-    tl.store(p_dr + (n_w + o_w)[:, None] * V + o_v[None, :], D.to(ring_d.dtype.element_ty), mask=m_wv)
-
-
-@triton.jit
 def _ring_verify_finish_kernel(
     qkv, a, A_log, dt_bias, idx, cu, acc, ring_k, ring_g, cursor,
     stride_qkv, stride_a, stride_idx, stride_acc, slot_stride_k, slot_stride_g,
@@ -677,7 +554,7 @@ def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
 # Launchers
 # --------------------------------------------------------------------------------------------
 
-MODES = ("parallel", "serial", "chunked")
+MODES = ("parallel", "serial")
 
 
 def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tuple[int, int]:
@@ -691,9 +568,6 @@ def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tup
         # (4, 16); 1.47 / 1.39 / 1.05x at (16, 1); the previous kernel 1.42 / 1.38 / 1.05x at its
         # (16, 1)): benchmarks/results/kernel_spec_sweep.md, "Experimental combined-ring main kernel"
         return 8, 1
-    if mode == "chunked":
-        # tl.dot needs >= 16 columns; not yet timed on a GPU (kernel_spec.py --mode chunked)
-        return 16, 4
     bv = 32 if V >= 32 else max(16, triton.next_power_of_2(V))
     return bv, 4
 
@@ -742,9 +616,8 @@ def ring_verify(
     rings and cursor in place. No host sync; the parallel form's small scratch comes from the
     caching allocator (under capture, from the graph's pool): CUDA-graph safe.
     `mode` picks the launch form: "parallel" (default: a main kernel per (row, value head,
-    BV value rows), then a finish kernel per (row, key head)), "chunked" (the same launches
-    with the window solved as one chunk by tile products; BV >= 16) or "serial" (one kernel,
-    one program per (row, key head)); all have the same semantics.
+    BV value rows), then a finish kernel per (row, key head)) or "serial" (one kernel, one
+    program per (row, key head)); both have the same semantics.
     `config` = (BV, num_warps) overrides the default launch configuration (of the main kernel
     in the parallel form).
     Returns `out` viewed as [tokens, HV, V].
@@ -779,7 +652,7 @@ def ring_verify(
     LP = max(16, triton.next_power_of_2(L))
     WP = max(16, triton.next_power_of_2(max_tokens))
     acc_arg = acc if acc is not None else state_indices
-    if mode in ("parallel", "chunked"):
+    if mode == "parallel":
         # Key-side dot products per (row, key head), in a scratch that under CUDA-graph capture
         # comes from the graph's memory pool.
         GP = triton.next_power_of_2(HV // H)
@@ -793,29 +666,16 @@ def ring_verify(
             HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
             num_warps=4, num_stages=1,
         )
-        if mode == "chunked":
-            BV = max(BV, 16)  # tl.dot's smallest tile
-            NV = triton.cdiv(V, BV)
-            _ring_verify_chunk_kernel[(N * HV * NV,)](
-                mixed_qkv, a, A_log, dt_bias, out, state, state_indices, cu_seqlens, acc_arg,
-                ring_d, ring_k, ring_g, cursor, gram,
-                mixed_qkv.stride(0), a.stride(0), state_indices.stride(0), s_acc,
-                ss, sd, sk, sg,
-                H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
-                GP=GP, RW=RW, LOG2WP=WP.bit_length() - 1, HAS_ACC=acc is not None,
-                num_warps=num_warps, num_stages=1,
-            )
-        else:
-            NV = triton.cdiv(V, BV)
-            _ring_verify_block_kernel[(N * HV * NV,)](
-                mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
-                ring_d, ring_k, ring_g, cursor, gram,
-                mixed_qkv.stride(0), state_indices.stride(0), s_acc,
-                ss, sd, sk, sg,
-                H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
-                GP=GP, RW=RW, HAS_ACC=acc is not None,
-                num_warps=num_warps, num_stages=1,
-            )
+        NV = triton.cdiv(V, BV)
+        _ring_verify_block_kernel[(N * HV * NV,)](
+            mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
+            ring_d, ring_k, ring_g, cursor, gram,
+            mixed_qkv.stride(0), state_indices.stride(0), s_acc,
+            ss, sd, sk, sg,
+            H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
+            GP=GP, RW=RW, HAS_ACC=acc is not None,
+            num_warps=num_warps, num_stages=1,
+        )
         # Same stream, after the main kernel: the shared keys, gates and cursor words.
         _ring_verify_finish_kernel[(N * H,)](
             mixed_qkv, a, A_log, dt_bias, state_indices, cu_seqlens, acc_arg,

@@ -17,8 +17,8 @@ Relative error bounds (||ours - ref|| / ||ref|| over all outputs, and the state)
     fp16 state, fp16 ring     < 5e-3
 
 Plus: a CUDA graph captured over several speculative steps replays bit-identically to eager
-calls. Every test runs once per launch form (mode="parallel", the default, "serial" and "chunked");
-test_launch_configs runs two cases at every (BV, warps) the kernel_spec sweeps try.
+calls. Every test runs once per launch form (mode="parallel", the default, and "serial");
+test_launch_configs runs two cases at every (BV, warps) the kernel_spec sweep tries.
 Skipped without CUDA. `RING_KERNEL_TEST_DEVICE=cpu TRITON_INTERPRET=1
 RING_VERIFY_TEST_SMALL=1` dry-runs it on the CPU with small head dims (no graph test).
 """
@@ -45,7 +45,7 @@ SMALL = os.environ.get("RING_VERIFY_TEST_SMALL", "0") == "1"
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 BOUNDS = {(F32, F32): 1e-5, (F32, BF16): 1e-2, (BF16, BF16): 2e-2, (F16, F16): 5e-3}
 MEASURED: dict[str, dict] = {}
-MODES = ("parallel", "serial", "chunked")  # ring_verify's launch forms (parallel is the default)
+MODES = ("parallel", "serial")  # ring_verify's launch forms (parallel is the default)
 
 
 def _rel(x, ref):
@@ -174,19 +174,18 @@ def test_vs_float64(name, H, HV, K, V, L, T, sdt, rdt, mode):
     MEASURED[f"{name}[{mode}]"] = info
 
 
-# every launch the kernel_spec sweep tries (--mode parallel and --mode chunked), so a faster one
-# can become the default with its correctness already shown
-LAUNCHES = [("parallel", c) for c in [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]] + \
-           [("chunked", c) for c in [(16, 2), (16, 4), (32, 4), (64, 8)]]  # chunked: BV >= 16 (tl.dot)
+# every launch the kernel_spec sweep tries for the parallel form, so a faster one can become the
+# default with its correctness already shown
+LAUNCHES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
 
 
-@pytest.mark.parametrize("mode,config", LAUNCHES, ids=[f"{m}_bv{c[0]}_w{c[1]}" for m, c in LAUNCHES])
+@pytest.mark.parametrize("config", LAUNCHES, ids=[f"parallel_bv{c[0]}_w{c[1]}" for c in LAUNCHES])
 @pytest.mark.parametrize("name,H,HV,K,V,L,T,sdt,rdt", CASES[:2], ids=[c[0] for c in CASES[:2]])
-def test_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, mode, config):
-    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode=mode,
+def test_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, config):
+    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode="parallel",
                           config=config)
     assert info["flushes"] > 0, "no flush happened"
-    MEASURED[f"{name}[{mode} {config}]"] = info
+    MEASURED[f"{name}[parallel {config}]"] = info
 
 
 @pytest.mark.parametrize("mode", MODES)
