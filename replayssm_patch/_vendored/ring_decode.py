@@ -254,6 +254,22 @@ def _ring_decode_kernel(
 
 
 @triton.jit
+def _row_cursor(cursor, slot, start_empty, force_flush, row, stride_se, stride_ff,
+                L: tl.constexpr, HAS_SE: tl.constexpr, HAS_FF: tl.constexpr):
+    """A prep kernel's view of its row's ring: (entries n to replay, whether this step flushes).
+    A row flagged start_empty ignores the cursor; a corrupt cursor > L is clamped to L."""
+    n = tl.load(cursor + slot)
+    if HAS_SE:
+        if tl.load(start_empty + row * stride_se) != 0:
+            n = n * 0
+    n = tl.minimum(n, L)
+    flush = n + 1 >= L
+    if HAS_FF:
+        flush = flush | (tl.load(force_flush + row * stride_ff) != 0)
+    return n, flush
+
+
+@triton.jit
 def _ring_prep_kernel(
     qkv, a, b, A_log, dt_bias, idx, ring_k, ring_g, cursor, force_flush, start_empty,
     qk, coef, meta,
@@ -290,15 +306,8 @@ def _ring_prep_kernel(
     A_t = tl.load(A_log + hv, mask=m_g, other=0.0).to(tl.float32)
     dtb = tl.load(dt_bias + hv, mask=m_g, other=0.0).to(tl.float32)
 
-    n = tl.load(cursor + slot)
-    if HAS_SE:
-        if tl.load(start_empty + row * stride_se) != 0:
-            n = n * 0
-    n = tl.minimum(n, L)
+    n, flush = _row_cursor(cursor, slot, start_empty, force_flush, row, stride_se, stride_ff, L, HAS_SE, HAS_FF)
     live = o_l < n
-    flush = n + 1 >= L
-    if HAS_FF:
-        flush = flush | (tl.load(force_flush + row * stride_ff) != 0)
 
     p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
     rk = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
@@ -487,15 +496,8 @@ def _replay_prep_kernel(
     p_x = qkv + row * stride_qkv
     q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    n = tl.load(cursor + slot)
-    if HAS_SE:
-        if tl.load(start_empty + row * stride_se) != 0:
-            n = n * 0
-    n = tl.minimum(n, L)
+    n, flush = _row_cursor(cursor, slot, start_empty, force_flush, row, stride_se, stride_ff, L, HAS_SE, HAS_FF)
     live = o_l < n
-    flush = n + 1 >= L
-    if HAS_FF:
-        flush = flush | (tl.load(force_flush + row * stride_ff) != 0)
 
     p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
     rk = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
