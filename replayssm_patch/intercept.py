@@ -61,10 +61,10 @@ def _pack(q, k, v):
     return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
 
 
-def _decode_split_qkv(call, p, state, idx, leading, numerics=None):
+def _decode_split_qkv(call, p, state, idx, leading, numerics=kernels.FLA_NUMERICS):
     """Ring decode for kernels that take q/k/v split as (1, N, heads, dim): one token per row.
     Returns the output shaped `leading + (HV, V)`, as the replaced kernel returns it.
-    `numerics`: how the replaced kernel rounds (kernels.CpuNumerics), None for the CUDA kernels'."""
+    `numerics`: how the replaced kernel rounds (kernels.KernelNumerics)."""
     q = p["q"]
     n = q.shape[1]
     hv, vdim = p["v"].shape[-2:]
@@ -109,7 +109,7 @@ def _spec_slots(idx, rows):
     return (idx[:, 0] if idx.ndim == 2 else idx)[:rows].contiguous()
 
 
-def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading, numerics=None):
+def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading, numerics=kernels.FLA_NUMERICS):
     """Ring verify for kernels that take q/k/v split: q/k (..., N, H, K), v (..., N, HV, V)."""
     hv, vdim = p["v"].shape[-2:]
     n = q.shape[-3]
@@ -183,8 +183,7 @@ def make_cpu_update_wrapper(native):
         if not _one_token_rows(p["cu_seqlens"], n) or not p["use_qk_l2norm_in_kernel"]:
             return _passthrough(native, call, state, idx, p)
         # Round as this kernel does (q/k norm eps, beta in b's dtype): the same recurrence.
-        out = _decode_split_qkv(call, p, state, idx, leading=(n, 1),
-                                numerics=kernels.CPU_DECODE_NUMERICS.with_beta_dtype(p["b"].dtype))
+        out = _decode_split_qkv(call, p, state, idx, leading=(n, 1), numerics=kernels.CPU_DECODE_NUMERICS)
         if shadow.enabled():
             shadow.check_decode(native, p, call.ring, out, call.start_empty)
         return out

