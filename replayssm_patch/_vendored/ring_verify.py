@@ -475,6 +475,155 @@ def _ring_verify_block_kernel(
 
 
 @triton.jit
+def _ring_verify_tile_prep_kernel(
+    qkv, a, b, A_log, dt_bias, idx, cu, gates, qk,
+    scale,
+    stride_qkv, stride_a, stride_b, stride_idx,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BK: tl.constexpr, WP: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr,
+    MAXT: tl.constexpr, L2NORM: tl.constexpr,
+):
+    # Program = (row, key head), all tokens of the window at once: row t of gates[row, i_h]
+    # (RW floats) = [k_t . q_t (both normalised, q scaled) | q scale | k scale |
+    #                alpha_t per value head of the group (GP) | beta_t per value head (GP) | pad].
+    pid = tl.program_id(0)
+    i_h = pid % H
+    row = (pid // H).to(tl.int64)
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
+    if slot <= 0:
+        return
+    lo, W = _row_window(cu, row, MAXT)
+    o_w = tl.arange(0, WP)
+    o_k = tl.arange(0, BK)
+    m_w = o_w < W
+    tok = lo + o_w
+    m_wk = m_w[:, None] & (o_k < K)[None, :]
+    p_x = qkv + tok[:, None] * stride_qkv + i_h * K + o_k[None, :]
+    Q = tl.load(p_x, mask=m_wk, other=0.0).to(tl.float32)
+    Kt = tl.load(p_x + H * K, mask=m_wk, other=0.0).to(tl.float32)
+    sq = tl.full([WP], scale, tl.float32)
+    sk = tl.full([WP], 1.0, tl.float32)
+    if L2NORM:
+        sq = scale / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)
+        sk = 1.0 / tl.sqrt(tl.sum(Kt * Kt, 1) + 1e-6)
+    Q = Q * sq[:, None]
+    Kt = Kt * sk[:, None]
+    kq = tl.sum(Q * Kt, 1)
+    # the normalised q_t, k_t in fp32 (qk[token, key head] = [q | k]), so the main kernel's
+    # programs load them ready to use
+    p_qk = qk + (tok[:, None] * H + i_h) * (2 * K) + o_k[None, :]
+    tl.store(p_qk, Q, mask=m_wk)
+    tl.store(p_qk + K, Kt, mask=m_wk)
+    p_r = gates + (row * H + i_h) * (WP * RW) + o_w * RW
+    tl.store(p_r, kq, mask=m_w)
+    tl.store(p_r + 1, sq, mask=m_w)
+    tl.store(p_r + 2, sk, mask=m_w)
+    GROUP: tl.constexpr = HV // H
+    o_g = tl.arange(0, GP)
+    m_g = o_g < GROUP
+    hvs = i_h * GROUP + o_g
+    m_wg = m_w[:, None] & m_g[None, :]
+    A_g = tl.load(A_log + hvs, mask=m_g, other=0.0).to(tl.float32)
+    dtb_g = tl.load(dt_bias + hvs, mask=m_g, other=0.0).to(tl.float32)
+    a_t = tl.load(a + tok[:, None] * stride_a + hvs[None, :], mask=m_wg, other=0.0).to(tl.float32)
+    b_t = tl.load(b + tok[:, None] * stride_b + hvs[None, :], mask=m_wg, other=0.0).to(tl.float32)
+    tl.store(p_r[:, None] + 3 + o_g[None, :], tl.exp(gdn_log_decay(a_t, A_g[None, :], dtb_g[None, :])), mask=m_wg)
+    tl.store(p_r[:, None] + 3 + GP + o_g[None, :], gdn_beta(b_t), mask=m_wg)
+
+
+@triton.jit
+def _ring_verify_tile_kernel(
+    qkv, out, state, idx, cu, acc,
+    ring_d, ring_k, ring_g, cursor, gates, qk,
+    stride_qkv, stride_idx, stride_acc,
+    slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
+    NV: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, HAS_ACC: tl.constexpr, KI: tl.constexpr,
+):
+    # Program = (row, value head, BV value rows). The committed entries are replayed into the
+    # checkpoint tile once (S_n = exp(G_n) S_c + sum_j exp(G_n - G_j) k_j d_j^T: rank-1
+    # updates), then the window runs the plain recurrence on the tile in registers:
+    #   S <- alpha_t S;  d_t = beta_t (v_t - S k_t);  o_t = S q_t + d_t (k_t . q_t);  S += k_t d_t^T
+    # On a flush S_n is also stored (the new checkpoint) and the window continues from it.
+    # The tile is [BV, BK / KI, KI]: Triton lays a load out along its contiguous axis first, so
+    # KI = 4 lanes x 16 bytes puts 4 lanes on K and the other lanes on the value rows; every
+    # lane holds BK / 4 keys of one value row and a reduction over K is sums inside the lane
+    # plus 2 shuffle rounds. The key vectors are loaded broadcast to the tile's shape, so they
+    # arrive in its layout.
+    pid = tl.program_id(0)
+    jv = pid % NV
+    hv = (pid // NV) % HV
+    row = (pid // (NV * HV)).to(tl.int64)
+    GROUP: tl.constexpr = HV // H
+    i_h = hv // GROUP
+    KC: tl.constexpr = BK // KI
+
+    o_v = jv * BV + tl.arange(0, BV)
+    o_v3 = o_v[:, None, None]  # [BV, 1, 1]
+    o_k3 = tl.arange(0, KC)[None, :, None] * KI + tl.arange(0, KI)[None, None, :] + o_v3 * 0  # [BV, KC, KI]
+    m_v = o_v < V
+    m_v3 = o_v3 < V
+    m_k3 = o_k3 < K
+    m_s = m_k3 & m_v3
+    o_w = tl.arange(0, WP)
+
+    slot = tl.load(idx + row * stride_idx).to(tl.int64)
+    lo, W = _row_window(cu, row, MAXT)
+    if slot <= 0:
+        # NULL block (0) or padding (-1): zero outputs for this block's rows, touch nothing else.
+        p_o = out + ((lo + o_w)[:, None] * HV + hv) * V + o_v[None, :]
+        tl.store(p_o, tl.zeros([WP, BV], dtype=tl.float32).to(out.dtype.element_ty),
+                 mask=(o_w < W)[:, None] & m_v[None, :])
+        return
+
+    # The cursor word is unchanged during the launch (only the finish kernel writes it).
+    n = _committed_count(tl.load(cursor + slot), acc, row, stride_acc, L, HAS_ACC)
+    flush = n + W > L
+    n_w = tl.where(flush, 0, n)
+    p_gr = ring_g + slot * slot_stride_g + hv * L
+    G_n = tl.load(p_gr + n - 1, mask=n > 0, other=0.0)  # 0 for an empty ring
+
+    p_s = state + slot * slot_stride_state + hv * (V * K) + o_v3 * K + o_k3
+    S = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32) * tl.exp(G_n)
+    p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
+    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
+    for j in range(0, n):
+        w_j = tl.exp(G_n - tl.load(p_gr + j))
+        d_j = tl.load(p_dr + j * V + o_v3, mask=m_v3, other=0.0).to(tl.float32)
+        k_j = tl.load(p_kr + j * K + o_k3, mask=m_k3, other=0.0).to(tl.float32)
+        S += k_j * (w_j * d_j)
+    if flush:
+        # stored in the state dtype; the window continues from the stored (rounded) checkpoint
+        S = S.to(state.dtype.element_ty)
+        tl.store(p_s, S, mask=m_s)
+        S = S.to(tl.float32)
+        tl.debug_barrier()  # every lane has read the d entries the window overwrites
+
+    i_g = hv % GROUP
+    p_gt = gates + (row * H + i_h) * (WP * RW)
+    p_q = qk + i_h * (2 * K) + o_k3
+    p_v = qkv + 2 * H * K + hv * V + o_v
+    p_o = out + hv * V + o_v
+    for t in range(0, W):
+        tt = lo + t
+        g_t = p_gt + t * RW
+        q_t = tl.load(p_q + tt * (H * 2 * K), mask=m_k3, other=0.0)
+        k_t = tl.load(p_q + tt * (H * 2 * K) + K, mask=m_k3, other=0.0)
+        v_t = tl.load(p_v + tt * stride_qkv, mask=m_v, other=0.0).to(tl.float32)
+        kq_t = tl.load(g_t)
+        alpha = tl.load(g_t + 3 + i_g)
+        beta_t = tl.load(g_t + 3 + GP + i_g)
+        S = S * alpha
+        d = beta_t * (v_t - tl.sum(tl.sum(S * k_t, 1), 1))
+        o = tl.sum(tl.sum(S * q_t, 1), 1) + d * kq_t
+        tl.store(p_o + tt * (HV * V), o.to(out.dtype.element_ty), mask=m_v)
+        tl.store(p_dr + (n_w + t) * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
+        # later tokens use d unrounded, as the sequential recurrence does
+        S += k_t * d[:, None, None]
+
+
+@triton.jit
 def _ring_verify_finish_kernel(
     qkv, a, A_log, dt_bias, idx, cu, acc, ring_k, ring_g, cursor,
     stride_qkv, stride_a, stride_idx, stride_acc, slot_stride_k, slot_stride_g,
@@ -567,7 +716,7 @@ def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tup
         # three cells swept on an H200 (1.52x / 1.45x / 1.22x native at (T=8, B=256) / (8, 64) /
         # (4, 16); 1.47 / 1.39 / 1.05x at (16, 1); the previous kernel 1.42 / 1.38 / 1.05x at its
         # (16, 1)): benchmarks/results/kernel_spec_sweep.md, "Experimental combined-ring main kernel"
-        return 8, 1
+        return 16, 1, 1
     bv = 32 if V >= 32 else max(16, triton.next_power_of_2(V))
     return bv, 4
 
@@ -646,36 +795,58 @@ def ring_verify(
     out3 = out.view(ntok, HV, V)
     if N == 0:
         return out3
-    BV, num_warps = config if config is not None else verify_config(V, state.dtype, mode)
+    BV, num_warps, *rest = config if config is not None else verify_config(V, state.dtype, mode)
+    form = rest[0] if rest else 0
     BV = min(BV, max(16, triton.next_power_of_2(V)))
     BK = max(16, triton.next_power_of_2(K))
     LP = max(16, triton.next_power_of_2(L))
     WP = max(16, triton.next_power_of_2(max_tokens))
     acc_arg = acc if acc is not None else state_indices
     if mode == "parallel":
-        # Key-side dot products per (row, key head), in a scratch that under CUDA-graph capture
-        # comes from the graph's memory pool.
         GP = triton.next_power_of_2(HV // H)
-        RW = 2 * LP + triton.next_power_of_2(2 + 2 * GP)  # gram row (see the prep kernel)
-        gram = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
-        _ring_verify_prep_kernel[(N * H,)](
-            mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, acc_arg, ring_k, cursor, gram,
-            float(scale),
-            mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc, sk,
-            H=H, HV=HV, K=K, L=L, BK=BK, LP=LP, WP=WP, GP=GP, RW=RW, MAXT=max_tokens,
-            HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
-            num_warps=4, num_stages=1,
-        )
         NV = triton.cdiv(V, BV)
-        _ring_verify_block_kernel[(N * HV * NV,)](
-            mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
-            ring_d, ring_k, ring_g, cursor, gram,
-            mixed_qkv.stride(0), state_indices.stride(0), s_acc,
-            ss, sd, sk, sg,
-            H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
-            GP=GP, RW=RW, HAS_ACC=acc is not None,
-            num_warps=num_warps, num_stages=1,
-        )
+        if form == 1:
+            # Per-token scalars per (row, key head), in a scratch that under CUDA-graph capture
+            # comes from the graph's memory pool.
+            RW = triton.next_power_of_2(3 + 2 * GP)
+            gates = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
+            qk = torch.empty((ntok, H, 2, K), dtype=torch.float32, device=dev)
+            _ring_verify_tile_prep_kernel[(N * H,)](
+                mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, gates, qk, float(scale),
+                mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0),
+                H=H, HV=HV, K=K, BK=BK, WP=WP, GP=GP, RW=RW, MAXT=max_tokens, L2NORM=bool(use_qk_l2norm),
+                num_warps=4, num_stages=1,
+            )
+            KI = 16  # 4 lanes x 16 bytes of fp32 q/k on K
+            _ring_verify_tile_kernel[(N * HV * NV,)](
+                mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
+                ring_d, ring_k, ring_g, cursor, gates, qk,
+                mixed_qkv.stride(0), state_indices.stride(0), s_acc, ss, sd, sk, sg,
+                H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
+                GP=GP, RW=RW, HAS_ACC=acc is not None, KI=KI, num_warps=num_warps, num_stages=1,
+            )
+        else:
+            # Key-side dot products per (row, key head), in a scratch that under CUDA-graph
+            # capture comes from the graph's memory pool.
+            RW = 2 * LP + triton.next_power_of_2(2 + 2 * GP)  # gram row (see the prep kernel)
+            gram = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
+            _ring_verify_prep_kernel[(N * H,)](
+                mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, acc_arg, ring_k, cursor, gram,
+                float(scale),
+                mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc, sk,
+                H=H, HV=HV, K=K, L=L, BK=BK, LP=LP, WP=WP, GP=GP, RW=RW, MAXT=max_tokens,
+                HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
+                num_warps=4, num_stages=1,
+            )
+            _ring_verify_block_kernel[(N * HV * NV,)](
+                mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
+                ring_d, ring_k, ring_g, cursor, gram,
+                mixed_qkv.stride(0), state_indices.stride(0), s_acc,
+                ss, sd, sk, sg,
+                H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
+                GP=GP, RW=RW, HAS_ACC=acc is not None,
+                num_warps=num_warps, num_stages=1,
+            )
         # Same stream, after the main kernel: the shared keys, gates and cursor words.
         _ring_verify_finish_kernel[(N * H,)](
             mixed_qkv, a, A_log, dt_bias, state_indices, cu_seqlens, acc_arg,
