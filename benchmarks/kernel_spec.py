@@ -70,8 +70,8 @@ REPLAYS = 15
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 32
 PARALLEL_CONFIG = None  # (BV, num_warps) for the parallel form; None: ring_verify's default
-# (BV, num_warps[, main form: 0 ring-tile block kernel, 1 tile-replay kernel]), as the GPU tests' launches
-SWEEP_CONFIGS = [(8, 1, 0), (8, 1, 1), (16, 1, 1), (32, 1, 1), (16, 2, 1), (32, 2, 1), (32, 4, 1), (64, 4, 1)]
+# (BV, num_warps), as the GPU tests' launches
+SWEEP_CONFIGS = [(8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
 SWEEP_CELLS = [(8, 256), (8, 64), (4, 16)]  # (T, batch)
 CONV_KERNEL = 4
 NATIVE_FILE = os.path.join("vllm", "third_party", "flash_linear_attention", "ops", "fused_sigmoid_gating.py")
@@ -463,7 +463,7 @@ def main(argv=None):
     ap.add_argument("--vllm-root", default=None, help="folder holding an unpacked vllm/ package")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1")
-    ap.add_argument("--parallel-config", default=None, metavar="BV,WARPS[,FORM]",
+    ap.add_argument("--parallel-config", default=None, metavar="BV,WARPS",
                     help="launch config of the parallel form (default: ring_verify's)")
     ap.add_argument("--sweep", action="store_true",
                     help="time the parallel form's launch configs at a few cells, then stop")

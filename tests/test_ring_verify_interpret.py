@@ -168,7 +168,7 @@ def case_fp32_t3_gqa2_ragged(mode):
     # W up to 4 on an 8-entry ring: windows often do not fit, so verify flushes first.
     return _run_spec(H=2, HV=4, K=16, V=32, L=8, T=3, sdt=torch.float32, rdt=torch.float32,
                      adt=torch.float32, steps=10, seed=0, tol_out=1e-5, tol_state=1e-5,
-                     config=(16, 4, 1), check_decode_after=True, mode=mode)
+                     config=(16, 4), check_decode_after=True, mode=mode)
 
 
 def case_fp32_t7_ring16_out4(mode):
@@ -177,7 +177,7 @@ def case_fp32_t7_ring16_out4(mode):
     # T = 7 (W = 8) on a 16-entry ring, one key head, value dim in two blocks.
     return _run_spec(H=1, HV=2, K=16, V=32, L=16, T=7, sdt=torch.float32, rdt=torch.float32,
                      adt=torch.float32, steps=10, seed=1, tol_out=1e-5, tol_state=1e-5,
-                     config=(16, 4, 1), out4=True, mode=mode)
+                     config=(16, 4), out4=True, mode=mode)
 
 
 def case_bf16_state_bf16_ring_t1(mode):

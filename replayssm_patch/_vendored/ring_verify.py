@@ -18,21 +18,19 @@ bonus token and the drafts; any count up to `max_tokens`, zero allowed). Per row
 Two launch forms (`mode`), same semantics, same call:
 
 * "parallel" (default): three launches on one stream.
-  1. prep, per (row, key head): everything per token that the key head's value heads and value
-     blocks share -- the q/k normalisation factors, the dot products of q_t and k_t with the
-     keys as the ring will hold them after this step (k_p . q_t, k_p . k_t: the committed keys
-     the verify replays at their positions, the window's key k_u at position n + u, or u after
-     a flush), and the gates alpha_t, beta_t of each value head of the group -- into a small
-     fp32 scratch (`gram`, [rows, H, WP, row width]).
+  1. prep, per (row, key head): what the key head's value heads and value blocks share per
+     token -- q_t and k_t normalised in fp32 (`qk`, [tokens, H, 2, K]), k_t . q_t and the
+     gates alpha_t, beta_t of each value head of the group (`gates`, [rows, H, WP, row width]).
   2. main, per (row, value head, block of BV value rows) -- batch x HV x V/BV programs of one
      warp, as vLLM's native spec kernel: rows of the state are independent given those
-     numbers, so each program runs the row's whole window for its BV rows with the checkpoint
-     tile held as [K, BV] (native's layout), folds the committed entries into its own
-     checkpoint rows on a flush, and writes its outputs and its own columns of the window's d
-     entries. It never writes what its siblings read.
+     numbers, so each program replays the slot's committed entries into its checkpoint tile
+     once (rank-1 updates; on a flush the result is also stored as the new checkpoint), runs
+     the window's tokens through the plain recurrence on that tile in registers, and writes
+     its outputs and its own columns of the window's d entries. It never writes what its
+     siblings read.
   3. finish, per (row, key head): the window's keys (per key head), cumulative gates (per
      value head) and the new cursor word, recomputed from the inputs.
-  Prep and main read the cursor word with a plain load (nothing writes it before finish); the
+  Main reads the cursor word with a plain load (nothing writes it before finish); the
   kernel boundaries order every shared read before the write, so no atomics are needed there.
 * "serial": one kernel, one program per (row, key head) looping over the key head's value
   heads and value blocks, so one program owns every ring entry it reads and writes (only
@@ -64,18 +62,20 @@ u < t):
 
 The serial kernel forms S_c q_t, S_c k_t and the committed entries' part for all tokens at once
 as tl.dot products (fp32, input_precision="ieee", never tf32) and applies the window's own
-entries token by token; a flush is one [BV, n] x [n, K] product. The parallel main kernel works
-token by token in fp32 mat-vecs (S_c x from the tile, the key-side dot products from prep)
-over one ring tile of d entries -- the committed ones it replays and the window's d_u, each at
-its ring position, filled in as the window goes -- with running weights: exp(Gamma_t) and one
-vector of exp(Gamma_t - G_p) over the ring positions (G_p = Gamma_u for the window's entries)
-are multiplied by alpha_t per step instead of recomputed; a flush is rank-1 updates, as in
-ring_decode. (tl.dot forms of the parallel kernels, fp32 "ieee" or "tf32x3", measured
-0.03-0.62x native on an H200: small tiles cost up to 255 registers and 1 block per SM.) Both
-forms store the flushed tile in the state dtype and continue from the stored (rounded)
-checkpoint. (A chunked main kernel -- the window solved as one chunk, D = (I + N)^-1 beta
-(V - B), in tl.dot products -- measured 0.58-0.93x native on an H200, its kernel 1610 us vs
-907 us for the parallel main kernel at batch 256, T=8: removed.)
+entries token by token; a flush is one [BV, n] x [n, K] product. The parallel main kernel
+instead replays the committed entries into its tile first (S_n = exp(G_n) S_c + sum_j
+exp(G_n - G_j) k_j d_j^T, n rank-1 updates, as ring_decode's flush) and then runs the window
+as the plain recurrence on S_n in registers (S <- alpha_t S; d_t = beta_t (v_t - S k_t);
+o_t = S q_t + d_t (k_t . q_t); S += k_t d_t^T): per token two reductions over K and two
+rank-1-sized updates of its own tile, no ring-sized work. Both forms store the flushed tile in
+the state dtype and continue from the stored (rounded) checkpoint.
+
+Forms measured on an H200 and dropped (benchmarks/results/kernel_spec_sweep.md): tl.dot forms
+of the parallel kernels, fp32 "ieee" or "tf32x3", 0.03-0.62x native (small tiles cost up to
+255 registers and 1 block per SM); a main kernel replaying the ring per token over a ring tile
+of d entries with key-side dot products from prep, 1.52x at batch 256, T=8 (the default until
+2026-12-01; the tile-replay form: 2.05x); a chunked main kernel (the window solved as one
+chunk, D = (I + N)^-1 beta (V - B), in tl.dot products), 0.58-0.93x.
 
 Requirements: the valid rows of one launch name distinct slots (vLLM guarantees this);
 1 <= max_tokens <= L <= 255; each row has at most `max_tokens` tokens (the launcher cannot
@@ -115,22 +115,6 @@ def _committed_count(word, acc, row, stride_acc, L: tl.constexpr, HAS_ACC: tl.co
         acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
         n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
     return tl.minimum(n, L)
-
-
-@triton.jit
-def _slot_ring(cursor, slot, acc, row, stride_acc, ring_g, slot_stride_g, hv, o_l, W,
-               L: tl.constexpr, HAS_ACC: tl.constexpr):
-    """What a main-kernel program of the parallel form knows about its slot's ring:
-    committed count n, whether the window flushes first, the entries it replays (n_w; none
-    after a flush), the live/replayed position masks over o_l, the gates G_j and G_n."""
-    # The cursor word is unchanged during the launch (only the finish kernel writes it).
-    n = _committed_count(tl.load(cursor + slot), acc, row, stride_acc, L, HAS_ACC)
-    flush = n + W > L
-    n_w = tl.where(flush, 0, n)
-    live = o_l < n
-    Gc = tl.load(ring_g + slot * slot_stride_g + hv * L + o_l, mask=live, other=0.0)
-    G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
-    return n, flush, n_w, live, o_l < n_w, Gc, G_n
 
 
 @triton.jit
@@ -284,198 +268,16 @@ def _ring_verify_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Parallel form: main kernel per (row, value head, block of BV value rows) + finish kernel per
-# (row, key head). The main kernel only READS the data its sibling programs share (ring keys,
-# gates, cursor word) and writes only its own rows (outputs, ring d columns, checkpoint rows);
-# the finish kernel, launched after it on the same stream, writes the shared data. The kernel
-# boundary orders every shared read before the write, so the main kernel needs no atomics.
+# Parallel form: prep kernel per (row, key head), main kernel per (row, value head, block of BV
+# value rows), finish kernel per (row, key head). The main kernel only READS the data its
+# sibling programs share (ring keys, gates, cursor word) and writes only its own rows (outputs,
+# ring d columns, checkpoint rows); the finish kernel, launched after it on the same stream,
+# writes the shared data. The kernel boundaries order every shared read before the write, so
+# the main kernel needs no atomics.
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
 def _ring_verify_prep_kernel(
-    qkv, a, b, A_log, dt_bias, idx, cu, acc, ring_k, cursor, gram,
-    scale,
-    stride_qkv, stride_a, stride_b, stride_idx, stride_acc, slot_stride_k,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr,
-    MAXT: tl.constexpr, HAS_ACC: tl.constexpr, L2NORM: tl.constexpr,
-):
-    # Program = (row, key head): everything per token that the key head's value heads and value
-    # blocks share, computed once. The keys are taken as the ring will hold them after this
-    # step: positions p < n_w the committed keys the verify replays, p = n_w + u the window's
-    # key k_u. Row t of gram[row, i_h] (RW floats):
-    #   [q_t.k_p (LP) | k_t.k_p (LP) | q scale, k scale | alpha_t per value head of the group
-    #    (GP) | beta_t per value head (GP) | pad]
-    # with q_t, k_t normalised (q scale = scale / |q_t|, k scale = 1 / |k_t| multiply the raw
-    # vectors).
-    pid = tl.program_id(0)
-    i_h = pid % H
-    row = (pid // H).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_l = tl.arange(0, LP)
-    m_k = o_k < K
-
-    slot = tl.load(idx + row * stride_idx).to(tl.int64)
-    if slot <= 0:
-        return
-    lo, W = _row_window(cu, row, MAXT)
-
-    # Cursor word, unchanged during this launch (only the finish kernel writes it): plain load.
-    word = tl.load(cursor + slot)
-    n = _committed_count(word, acc, row, stride_acc, L, HAS_ACC)
-    n_w = tl.where(n + W > L, 0, n)  # committed entries the verify replays (none after a flush)
-
-    in_win = (o_l >= n_w) & (o_l < n_w + W)  # ring positions of the window's entries
-    u = tl.where(in_win, o_l - n_w, 0)
-    Kw = tl.load(qkv + (lo + u)[:, None] * stride_qkv + H * K + i_h * K + o_k[None, :],
-                 mask=in_win[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    if L2NORM:
-        Kw = Kw / tl.sqrt(tl.sum(Kw * Kw, 1) + 1e-6)[:, None]
-    rk = tl.load(ring_k + slot * slot_stride_k + i_h * (L * K) + o_l[:, None] * K + o_k[None, :],
-                 mask=(o_l < n_w)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    Kc = rk + Kw  # [LP, BK]: disjoint rows
-    GROUP: tl.constexpr = HV // H
-    o_g = tl.arange(0, GP)
-    m_g = o_g < GROUP
-    hvs = i_h * GROUP + o_g
-    A_g = tl.load(A_log + hvs, mask=m_g, other=0.0).to(tl.float32)
-    dtb_g = tl.load(dt_bias + hvs, mask=m_g, other=0.0).to(tl.float32)
-    X0: tl.constexpr = 2 * LP  # where the per-token scalars start
-    # One token at a time as fp32 mat-vecs (tl.dot on these small tiles needs far more
-    # registers than the work is worth).
-    p_g = gram + (row * H + i_h) * (WP * RW)
-    for t in range(0, W):
-        tt = lo + t
-        p_t = qkv + tt * stride_qkv + i_h * K + o_k
-        q_t = tl.load(p_t, mask=m_k, other=0.0).to(tl.float32)
-        k_t = tl.load(p_t + H * K, mask=m_k, other=0.0).to(tl.float32)
-        sq = scale
-        sk = 1.0
-        if L2NORM:
-            sq = scale / tl.sqrt(tl.sum(q_t * q_t) + 1e-6)
-            sk = 1.0 / tl.sqrt(tl.sum(k_t * k_t) + 1e-6)
-        q_t = q_t * sq
-        k_t = k_t * sk
-        row_g = p_g + t * RW
-        tl.store(row_g + o_l, tl.sum(Kc * q_t[None, :], 1))
-        tl.store(row_g + LP + o_l, tl.sum(Kc * k_t[None, :], 1))
-        tl.store(row_g + X0, sq)
-        tl.store(row_g + X0 + 1, sk)
-        a_g = tl.load(a + tt * stride_a + hvs, mask=m_g, other=0.0).to(tl.float32)
-        b_g = tl.load(b + tt * stride_b + hvs, mask=m_g, other=0.0).to(tl.float32)
-        tl.store(row_g + X0 + 2 + o_g, tl.exp(gdn_log_decay(a_g, A_g, dtb_g)))
-        tl.store(row_g + X0 + 2 + GP + o_g, gdn_beta(b_g))
-
-
-@triton.jit
-def _ring_verify_block_kernel(
-    qkv, out, state, idx, cu, acc,
-    ring_d, ring_k, ring_g, cursor, gram,
-    stride_qkv, stride_idx, stride_acc,
-    slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
-    NV: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, HAS_ACC: tl.constexpr,
-):
-    # Program order: value block fastest, then value head, then row, so the GROUP * NV programs
-    # of one (row, key head) run next to each other and share q, k and gram loads in L2.
-    pid = tl.program_id(0)
-    jv = pid % NV
-    hv = (pid // NV) % HV
-    row = (pid // (NV * HV)).to(tl.int64)
-    GROUP: tl.constexpr = HV // H
-    i_h = hv // GROUP
-
-    o_k = tl.arange(0, BK)
-    o_w = tl.arange(0, WP)
-    o_l = tl.arange(0, LP)
-    o_v = jv * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-
-    slot = tl.load(idx + row * stride_idx).to(tl.int64)
-    lo, W = _row_window(cu, row, MAXT)
-    m_w = o_w < W
-    tok = lo + o_w
-
-    if slot <= 0:
-        # NULL block (0) or padding (-1): zero outputs for this block's rows, touch nothing else.
-        p_o = out + (tok[:, None] * HV + hv) * V + o_v[None, :]
-        tl.store(p_o, tl.zeros([WP, BV], dtype=tl.float32).to(out.dtype.element_ty),
-                 mask=m_w[:, None] & m_v[None, :])
-        return
-
-    n, flush, n_w, live, live_v, Gc, G_n = _slot_ring(cursor, slot, acc, row, stride_acc, ring_g,
-                                                      slot_stride_g, hv, o_l, W, L, HAS_ACC)
-
-    # The checkpoint tile as [BK, BV] (as vLLM's native kernel holds it): every product below
-    # reduces over axis 0 and yields a vector over this program's value rows.
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[None, :] * K + o_k[:, None]
-    S = tl.load(p_s, mask=m_kv, other=0.0).to(tl.float32)  # [BK, BV]
-    p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
-    if flush:
-        # S_c <- exp(G_n) S_c + sum_j exp(G_n - G_j) k_j d_j^T on this program's rows (rank-1
-        # fp32 updates, as ring_decode's flush), stored in the state dtype; the verify
-        # continues from the stored (rounded) checkpoint.
-        p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
-        S = S * tl.exp(G_n)
-        for j in range(0, n):
-            w_j = tl.exp(G_n - tl.sum(tl.where(o_l == j, Gc, 0.0)))
-            d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            S += k_j[:, None] * (w_j * d_j)[None, :]
-        S = S.to(state.dtype.element_ty)
-        tl.store(p_s, S, mask=m_kv)
-        S = S.to(tl.float32)
-        tl.debug_barrier()  # every lane has read the d entries the window overwrites
-    # The ring's d entries as they will be after this step, filled as the window goes: the
-    # committed ones the verify replays now, the window's d_u at n_w + u once computed.
-    R = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live_v[:, None] & m_v[None, :], other=0.0)
-    R = R.to(tl.float32)  # [LP, BV]
-
-    # Token by token (d_t depends on d_u, u < t), the key-side dot products from gram:
-    #   S_{t-1} x = e_t S_c x + sum_{p < n_w + t} w_p d_p (k_p . x)
-    # over the ring positions p (committed entries, then the window's earlier tokens), with x =
-    # q_t or k_t (the decay of token t folded in as the recurrence's alpha_t S_{t-1}) and running
-    # weights e_t = exp(Gamma_t), w_p = exp(Gamma_t - G_p), multiplied by alpha_t each step;
-    # positions not filled yet hold d = 0 and weight 0.
-    e_t = tl.exp(tl.where(flush, 0.0, G_n))
-    w = tl.where(live_v, tl.exp(tl.where(flush, 0.0, G_n) - Gc), 0.0)  # [LP]
-    p_gr = gram + (row * H + i_h) * (WP * RW)
-    X0: tl.constexpr = 2 * LP
-    i_g = hv % GROUP
-    p_q = qkv + i_h * K + o_k
-    p_k = qkv + H * K + i_h * K + o_k
-    p_v = qkv + 2 * H * K + hv * V + o_v
-    p_o = out + hv * V + o_v
-    for t in range(0, W):
-        tt = lo + t
-        row_g = p_gr + t * RW
-        q_t = tl.load(p_q + tt * stride_qkv, mask=m_k, other=0.0).to(tl.float32) * tl.load(row_g + X0)
-        k_t = tl.load(p_k + tt * stride_qkv, mask=m_k, other=0.0).to(tl.float32) * tl.load(row_g + X0 + 1)
-        v_t = tl.load(p_v + tt * stride_qkv, mask=m_v, other=0.0).to(tl.float32)
-        alpha = tl.load(row_g + X0 + 2 + i_g)
-        beta_t = tl.load(row_g + X0 + 2 + GP + i_g)
-        e_t = e_t * alpha
-        w = w * alpha
-        cq = w * tl.load(row_g + o_l)
-        ck = w * tl.load(row_g + LP + o_l)
-        kq_t = tl.load(row_g + n_w + t)  # q_t . k_t
-        sq = e_t * tl.sum(S * q_t[:, None], 0) + tl.sum(R * cq[:, None], 0)
-        sk = e_t * tl.sum(S * k_t[:, None], 0) + tl.sum(R * ck[:, None], 0)
-        d = beta_t * (v_t - sk)
-        o = sq + d * kq_t
-        tl.store(p_o + tt * (HV * V), o.to(out.dtype.element_ty), mask=m_v)
-        tl.store(p_dr + (n_w + t) * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
-        # later tokens use d unrounded, as the sequential recurrence does
-        here = o_l == n_w + t
-        R = tl.where(here[:, None], d[None, :], R)
-        w = tl.where(here, 1.0, w)
-
-
-@triton.jit
-def _ring_verify_tile_prep_kernel(
     qkv, a, b, A_log, dt_bias, idx, cu, gates, qk,
     scale,
     stride_qkv, stride_a, stride_b, stride_idx,
@@ -532,13 +334,13 @@ def _ring_verify_tile_prep_kernel(
 
 
 @triton.jit
-def _ring_verify_tile_kernel(
+def _ring_verify_main_kernel(
     qkv, out, state, idx, cu, acc,
     ring_d, ring_k, ring_g, cursor, gates, qk,
     stride_qkv, stride_idx, stride_acc,
     slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
     NV: tl.constexpr, GP: tl.constexpr, RW: tl.constexpr, HAS_ACC: tl.constexpr, KI: tl.constexpr,
 ):
     # Program = (row, value head, BV value rows). The committed entries are replayed into the
@@ -546,11 +348,12 @@ def _ring_verify_tile_kernel(
     # updates), then the window runs the plain recurrence on the tile in registers:
     #   S <- alpha_t S;  d_t = beta_t (v_t - S k_t);  o_t = S q_t + d_t (k_t . q_t);  S += k_t d_t^T
     # On a flush S_n is also stored (the new checkpoint) and the window continues from it.
-    # The tile is [BV, BK / KI, KI]: Triton lays a load out along its contiguous axis first, so
-    # KI = 4 lanes x 16 bytes puts 4 lanes on K and the other lanes on the value rows; every
-    # lane holds BK / 4 keys of one value row and a reduction over K is sums inside the lane
-    # plus 2 shuffle rounds. The key vectors are loaded broadcast to the tile's shape, so they
-    # arrive in its layout.
+    # The tile is [BV, BK / KI, KI] with KI = 16: Triton lays a load out along its contiguous
+    # axis first, 16 bytes per lane, so KI puts 4 lanes on K and the other 8 of a warp on the
+    # value rows; every lane holds BK / 4 keys of BV / 8 value rows, and a reduction over K is
+    # sums inside the lane plus 2 shuffle rounds (a [BK, BV] tile puts all 32 lanes on K: 5
+    # rounds per value row held). The q/k vectors (fp32, from prep) are loaded broadcast to the
+    # tile's shape, so they arrive in its layout.
     pid = tl.program_id(0)
     jv = pid % NV
     hv = (pid // NV) % HV
@@ -712,11 +515,11 @@ def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tup
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     if mode == "parallel":
-        # one warp per 8 value rows: with the combined ring tile, the fastest of 6 configs at all
-        # three cells swept on an H200 (1.52x / 1.45x / 1.22x native at (T=8, B=256) / (8, 64) /
-        # (4, 16); 1.47 / 1.39 / 1.05x at (16, 1); the previous kernel 1.42 / 1.38 / 1.05x at its
-        # (16, 1)): benchmarks/results/kernel_spec_sweep.md, "Experimental combined-ring main kernel"
-        return 16, 1, 1
+        # one warp per 32 value rows (4 per lane): the fastest of 8 launches at all three cells
+        # swept on an H200 (2.05x / 1.92x / 1.20x native at (T=8, B=256) / (8, 64) / (4, 16);
+        # 16 rows per warp 1.39x at (8, 256), more warps per program slower still):
+        # benchmarks/results/kernel_spec_sweep.md, "Tile-replay main kernel"
+        return 32, 1
     bv = 32 if V >= 32 else max(16, triton.next_power_of_2(V))
     return bv, 4
 
@@ -795,8 +598,7 @@ def ring_verify(
     out3 = out.view(ntok, HV, V)
     if N == 0:
         return out3
-    BV, num_warps, *rest = config if config is not None else verify_config(V, state.dtype, mode)
-    form = rest[0] if rest else 0
+    BV, num_warps = config if config is not None else verify_config(V, state.dtype, mode)
     BV = min(BV, max(16, triton.next_power_of_2(V)))
     BK = max(16, triton.next_power_of_2(K))
     LP = max(16, triton.next_power_of_2(L))
@@ -805,48 +607,24 @@ def ring_verify(
     if mode == "parallel":
         GP = triton.next_power_of_2(HV // H)
         NV = triton.cdiv(V, BV)
-        if form == 1:
-            # Per-token scalars per (row, key head), in a scratch that under CUDA-graph capture
-            # comes from the graph's memory pool.
-            RW = triton.next_power_of_2(3 + 2 * GP)
-            gates = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
-            qk = torch.empty((ntok, H, 2, K), dtype=torch.float32, device=dev)
-            _ring_verify_tile_prep_kernel[(N * H,)](
-                mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, gates, qk, float(scale),
-                mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0),
-                H=H, HV=HV, K=K, BK=BK, WP=WP, GP=GP, RW=RW, MAXT=max_tokens, L2NORM=bool(use_qk_l2norm),
-                num_warps=4, num_stages=1,
-            )
-            KI = 16  # 4 lanes x 16 bytes of fp32 q/k on K
-            _ring_verify_tile_kernel[(N * HV * NV,)](
-                mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
-                ring_d, ring_k, ring_g, cursor, gates, qk,
-                mixed_qkv.stride(0), state_indices.stride(0), s_acc, ss, sd, sk, sg,
-                H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
-                GP=GP, RW=RW, HAS_ACC=acc is not None, KI=KI, num_warps=num_warps, num_stages=1,
-            )
-        else:
-            # Key-side dot products per (row, key head), in a scratch that under CUDA-graph
-            # capture comes from the graph's memory pool.
-            RW = 2 * LP + triton.next_power_of_2(2 + 2 * GP)  # gram row (see the prep kernel)
-            gram = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
-            _ring_verify_prep_kernel[(N * H,)](
-                mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, acc_arg, ring_k, cursor, gram,
-                float(scale),
-                mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc, sk,
-                H=H, HV=HV, K=K, L=L, BK=BK, LP=LP, WP=WP, GP=GP, RW=RW, MAXT=max_tokens,
-                HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
-                num_warps=4, num_stages=1,
-            )
-            _ring_verify_block_kernel[(N * HV * NV,)](
-                mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
-                ring_d, ring_k, ring_g, cursor, gram,
-                mixed_qkv.stride(0), state_indices.stride(0), s_acc,
-                ss, sd, sk, sg,
-                H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens, NV=NV,
-                GP=GP, RW=RW, HAS_ACC=acc is not None,
-                num_warps=num_warps, num_stages=1,
-            )
+        # Per-token scalars and the normalised q/k, in scratch that under CUDA-graph capture
+        # comes from the graph's memory pool.
+        RW = triton.next_power_of_2(3 + 2 * GP)
+        gates = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
+        qk = torch.empty((ntok, H, 2, K), dtype=torch.float32, device=dev)
+        _ring_verify_prep_kernel[(N * H,)](
+            mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, gates, qk, float(scale),
+            mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0),
+            H=H, HV=HV, K=K, BK=BK, WP=WP, GP=GP, RW=RW, MAXT=max_tokens, L2NORM=bool(use_qk_l2norm),
+            num_warps=4, num_stages=1,
+        )
+        _ring_verify_main_kernel[(N * HV * NV,)](
+            mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
+            ring_d, ring_k, ring_g, cursor, gates, qk,
+            mixed_qkv.stride(0), state_indices.stride(0), s_acc, ss, sd, sk, sg,
+            H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, WP=WP, MAXT=max_tokens, NV=NV,
+            GP=GP, RW=RW, HAS_ACC=acc is not None, KI=min(BK, 16), num_warps=num_warps, num_stages=1,
+        )
         # Same stream, after the main kernel: the shared keys, gates and cursor words.
         _ring_verify_finish_kernel[(N * H,)](
             mixed_qkv, a, A_log, dt_bias, state_indices, cu_seqlens, acc_arg,
