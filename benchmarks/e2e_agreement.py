@@ -32,6 +32,12 @@ cursor words stay on the GPU and the window counters are not counted), one state
 request, acceptance equal to native (or within the tokens after a first divergence). The
 script exits 1 when one of those checks fails (after writing the JSON).
 
+`--control-unpacked` adds a second control, in its own process: native vLLM with
+VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0, i.e. decode batches through vLLM's general GDN path
+(separate gating, the non-packed recurrent kernel) instead of its packed decode kernel. That is
+native against native with other fp32 roundings in the recurrence, judged by the same criterion:
+how close two correct implementations of the same step come on this checkpoint.
+
 `--tp N` runs both arms with tensor_parallel_size=N (vLLM's multiprocessing executor), the
 patched arm enabled through the environment so the plugin reaches every worker, and checks
 per rank: the plugin's ring log line from that worker, every GDN layer of that rank on the
@@ -192,6 +198,9 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--states", default="float32,bfloat16", help="SSM state dtypes to run")
     ap.add_argument("--no-control", action="store_true", help="skip the native-vs-native control engines (one per SSM state)")
+    ap.add_argument("--control-unpacked", action="store_true",
+                    help="also run native with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0 (vLLM's general decode "
+                         "path) and compare it with native by the same criterion")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor_parallel_size (default 1); N > 1 enables the patched arm through the "
                          "environment (the plugin reaches every worker) and reports each rank")
@@ -253,6 +262,10 @@ def main() -> None:
     env.pop("VLLM_GDN_REPLAYSSM", None)
     spec = {"model": model, "ring_len": args.ring_len}
     native = run_arm(dict(spec, patched=False, engines=engines + controls), workdir, f"{prefix}native", env)
+    unpacked = None
+    if args.control_unpacked:
+        unpacked = run_arm(dict(spec, patched=False, engines=engines), workdir, f"{prefix}native_unpacked",
+                           dict(env, VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE="0"))
     if args.mtp or args.tp > 1:  # enabled the way a user would: the environment, which the plugin
         # reads in every process vLLM starts (workers too); MTP with its CUDA switch set explicitly
         patched_env = dict(env, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(args.ring_len),
@@ -271,6 +284,8 @@ def main() -> None:
               "model": os.path.basename(model),
               "model_dtype": MODEL_DTYPE, "requests": args.requests, "tokens": args.tokens,
               "control": None if args.no_control else "native vs native, max_num_seqs=8",
+              "control_unpacked": ("native vs native with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0"
+                                   if unpacked else None),
               "status": patched.get("_status"), "arms": {}}
     on_cuda = False
     try:
@@ -291,7 +306,7 @@ def main() -> None:
     for state in states:
         ag = compare(native[state]["requests"], patched[state]["requests"])
         entry = {"patched_vs_native": ag.summary(), "identical_fraction": ag.identical_fraction,
-                 "criterion_met": ag.ok(), "failures": ag.failures,
+                 "criterion_met": ag.ok(), "failures": ag.failures, "max_drift_identical": ag.max_drift_identical,
                  "layers_patched": patched[state].get("layers"), "layers_native": native[state].get("layers")}
         line = f"{label}[{state} state] patched vs native: {ag.summary()}"
         if controls:
@@ -299,6 +314,12 @@ def main() -> None:
             entry.update(native_vs_native_control=c.summary(), control_identical_fraction=c.identical_fraction,
                          control_failures=c.failures)
             line += f" | native vs native (max_num_seqs {args.requests} vs 8): {c.summary()}"
+        if unpacked:
+            u = compare(native[state]["requests"], unpacked[state]["requests"])
+            entry.update(native_vs_native_unpacked=u.summary(), unpacked_identical_fraction=u.identical_fraction,
+                         unpacked_criterion_met=u.ok(), unpacked_failures=u.failures,
+                         unpacked_max_drift_identical=u.max_drift_identical)
+            line += f" | native vs native unpacked decode: {u.summary()}"
         result["arms"][state] = entry
         print(line, flush=True)
         if args.mtp:

@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first);
 #     agree: e2e_agreement.py (decisive checkpoint, fp32 SSM state, native control on) to
 #     $OUT/e2e_agreement_decisive.json + logs
+#   bash benchmarks/gpu_run.sh agreeu          # the same run with the other control instead: native
+#     with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0 (vLLM's general decode path) vs native, by the
+#     same criterion (how close two native kernels come), to $OUT/e2e_agreement_decisive_unpacked.json
 #   bash benchmarks/gpu_run.sh mtp             # MTP end to end through the ring (needs install):
 #     e2e_agreement.py --mtp 3 then --mtp 7 (MTP checkpoint of tests/test_vllm_spec.py, prefix
 #     caching off, fp32 SSM state, 16 requests x 128 tokens, native control on; the patched arm
@@ -61,6 +64,12 @@ case "${1:?step}" in
     python3 benchmarks/e2e_agreement.py --tag decisive --out "$OUT/e2e_agreement_decisive.json" --workdir /tmp/agree \
       --checkpoint decisive --states float32 2>&1 | tail -20 || rc=1
     cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true
+    exit $rc ;;
+  agreeu)  # decisive checkpoint, fp32 SSM state, native-vs-native-unpacked control
+    rc=0
+    python3 benchmarks/e2e_agreement.py --tag decisive_unpacked --out "$OUT/e2e_agreement_decisive_unpacked.json" \
+      --workdir /tmp/agreeu --checkpoint decisive --states float32 --no-control --control-unpacked 2>&1 | tail -20 || rc=1
+    cp /tmp/agreeu/*.log "$OUT/" 2>/dev/null || true
     exit $rc ;;
   mtp)  # MTP through the ring on CUDA, T=3 then T=7
     rc=0  # a failed run does not stop the next one; the step fails at the end

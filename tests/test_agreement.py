@@ -63,3 +63,23 @@ def test_mismatched_inputs_raise():
         compare_samples([sample([1])], [])
     with pytest.raises(ValueError, match="token and logprob counts"):
         compare_samples([([1, 2], [-1.0])], [sample([1, 2])])
+
+
+def greedy(tokens, logprobs, gaps):
+    # one request as engine_runner prints it: top2 per token as [[tok, lp], [tok2, lp2]]
+    return {"tokens": list(tokens), "logprobs": list(logprobs),
+            "top2": [[[t, lp], [t + 1, lp - g]] for t, lp, g in zip(tokens, logprobs, gaps)]}
+
+
+def test_greedy_drift_in_identical_requests_and_tie_rule():
+    from replayssm_patch.testing.agreement import compare
+
+    nat = [greedy([1, 2, 3], [-0.5, -1.0, -2.0], [1, 1, 1]), greedy([4, 5, 6], [-1, -1, -1], [1, 0.005, 1])]
+    pat = [greedy([1, 2, 3], [-0.5, -1.03, -2.0], [1, 1, 1]), greedy([4, 9, 6], [-1.004, -1, -1], [1, 1, 1])]
+    a = compare(nat, pat)
+    assert (a.identical, a.near_tie, a.failures) == (1, 1, [])  # request 1: a tie (gap 0.005), drift 0.004
+    assert a.max_drift_identical == pytest.approx(0.03)  # only identical requests count
+    assert not a.ok()  # 1 of 2 identical < 90%
+    late = [nat[0], greedy([4, 9, 6], [-1.02, -1, -1], [1, 1, 1])]  # same tie after a 0.02 drift: real
+    b = compare(nat, late)
+    assert b.near_tie == 0 and len(b.failures) == 1 and "gap 0.0050" in b.failures[0]

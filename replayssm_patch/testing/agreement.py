@@ -23,6 +23,9 @@ class Agreement:
     total: int
     # every divergence: (request, first differing token, native top-2 gap there, max drift before)
     divergences: list[tuple[int, int, float, float]]
+    # largest chosen-token logprob difference anywhere in a fully identical request: how far
+    # the arms' numbers drift without changing a token (one bf16 step of a logit is 0.0156-0.031)
+    max_drift_identical: float = 0.0
 
     def not_at_a_tie(self, tie_gap: float = 0.01) -> list[tuple[int, int, float, float]]:
         """Divergences where native's top-2 gap was not below `tie_gap` (drift not considered)."""
@@ -44,10 +47,11 @@ def compare(native: list[dict], patched: list[dict], tie_gap: float = 0.01, logp
     """native/patched: per request {"tokens", "logprobs", "top2"} as engine_runner prints them."""
     if len(native) != len(patched):
         return Agreement(0, 0, [f"request count {len(native)} vs {len(patched)}"], len(native), [])
-    identical, near, failures, divergences = 0, 0, [], []
+    identical, near, failures, divergences, drift_same = 0, 0, [], [], 0.0
     for r, (n, p) in enumerate(zip(native, patched)):
         if n["tokens"] == p["tokens"]:
             identical += 1
+            drift_same = max([drift_same] + [abs(a - b) for a, b in zip(n["logprobs"], p["logprobs"])])
             continue
         if len(n["tokens"]) != len(p["tokens"]):
             failures.append(f"request {r}: {len(n['tokens'])} vs {len(p['tokens'])} tokens")
@@ -62,7 +66,7 @@ def compare(native: list[dict], patched: list[dict], tie_gap: float = 0.01, logp
         else:
             failures.append(f"request {r}: diverges at token {i} (native top-2 gap {gap:.4f}, "
                             f"max logprob drift before it {drift:.4f})")
-    return Agreement(identical, near, failures, len(native), divergences)
+    return Agreement(identical, near, failures, len(native), divergences, drift_same)
 
 
 @dataclass
