@@ -286,8 +286,8 @@ def _ring_verify_prep_kernel(
     MAXT: tl.constexpr, L2NORM: tl.constexpr,
 ):
     # Program = (row, key head), all tokens of the window at once: row t of gates[row, i_h]
-    # (RW floats) = [k_t . q_t (both normalised, q scaled) | q scale | k scale |
-    #                alpha_t per value head of the group (GP) | beta_t per value head (GP) | pad].
+    # (RW floats) = [k_t . q_t (both normalised, q scaled) | alpha_t per value head of the
+    # group (GP) | beta_t per value head (GP) | pad].
     pid = tl.program_id(0)
     i_h = pid % H
     row = (pid // H).to(tl.int64)
@@ -318,8 +318,6 @@ def _ring_verify_prep_kernel(
     tl.store(p_qk + K, Kt, mask=m_wk)
     p_r = gates + (row * H + i_h) * (WP * RW) + o_w * RW
     tl.store(p_r, kq, mask=m_w)
-    tl.store(p_r + 1, sq, mask=m_w)
-    tl.store(p_r + 2, sk, mask=m_w)
     GROUP: tl.constexpr = HV // H
     o_g = tl.arange(0, GP)
     m_g = o_g < GROUP
@@ -329,8 +327,8 @@ def _ring_verify_prep_kernel(
     dtb_g = tl.load(dt_bias + hvs, mask=m_g, other=0.0).to(tl.float32)
     a_t = tl.load(a + tok[:, None] * stride_a + hvs[None, :], mask=m_wg, other=0.0).to(tl.float32)
     b_t = tl.load(b + tok[:, None] * stride_b + hvs[None, :], mask=m_wg, other=0.0).to(tl.float32)
-    tl.store(p_r[:, None] + 3 + o_g[None, :], tl.exp(gdn_log_decay(a_t, A_g[None, :], dtb_g[None, :])), mask=m_wg)
-    tl.store(p_r[:, None] + 3 + GP + o_g[None, :], gdn_beta(b_t), mask=m_wg)
+    tl.store(p_r[:, None] + 1 + o_g[None, :], tl.exp(gdn_log_decay(a_t, A_g[None, :], dtb_g[None, :])), mask=m_wg)
+    tl.store(p_r[:, None] + 1 + GP + o_g[None, :], gdn_beta(b_t), mask=m_wg)
 
 
 @triton.jit
@@ -415,8 +413,8 @@ def _ring_verify_main_kernel(
         k_t = tl.load(p_q + tt * (H * 2 * K) + K, mask=m_k3, other=0.0)
         v_t = tl.load(p_v + tt * stride_qkv, mask=m_v, other=0.0).to(tl.float32)
         kq_t = tl.load(g_t)
-        alpha = tl.load(g_t + 3 + i_g)
-        beta_t = tl.load(g_t + 3 + GP + i_g)
+        alpha = tl.load(g_t + 1 + i_g)
+        beta_t = tl.load(g_t + 1 + GP + i_g)
         S = S * alpha
         d = beta_t * (v_t - tl.sum(tl.sum(S * k_t, 1), 1))
         o = tl.sum(tl.sum(S * q_t, 1), 1) + d * kq_t
@@ -609,7 +607,7 @@ def ring_verify(
         NV = triton.cdiv(V, BV)
         # Per-token scalars and the normalised q/k, in scratch that under CUDA-graph capture
         # comes from the graph's memory pool.
-        RW = triton.next_power_of_2(3 + 2 * GP)
+        RW = triton.next_power_of_2(1 + 2 * GP)
         gates = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
         qk = torch.empty((ntok, H, 2, K), dtype=torch.float32, device=dev)
         _ring_verify_prep_kernel[(N * H,)](
