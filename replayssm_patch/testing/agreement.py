@@ -15,6 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def _drift(native_logprobs, patched_logprobs) -> float:
+    """Largest |native - patched| over paired logprobs (0 for none): the drift of two arms."""
+    return max((abs(a - b) for a, b in zip(native_logprobs, patched_logprobs)), default=0.0)
+
+
 @dataclass
 class Agreement:
     identical: int
@@ -51,13 +56,13 @@ def compare(native: list[dict], patched: list[dict], tie_gap: float = 0.01, logp
     for r, (n, p) in enumerate(zip(native, patched)):
         if n["tokens"] == p["tokens"]:
             identical += 1
-            drift_same = max([drift_same] + [abs(a - b) for a, b in zip(n["logprobs"], p["logprobs"])])
+            drift_same = max(drift_same, _drift(n["logprobs"], p["logprobs"]))
             continue
         if len(n["tokens"]) != len(p["tokens"]):
             failures.append(f"request {r}: {len(n['tokens'])} vs {len(p['tokens'])} tokens")
             continue
         i = next(j for j, (a, b) in enumerate(zip(n["tokens"], p["tokens"])) if a != b)
-        drift = max((abs(a - b) for a, b in zip(n["logprobs"][:i], p["logprobs"][:i])), default=0.0)
+        drift = _drift(n["logprobs"][:i], p["logprobs"][:i])
         top = n["top2"][i]
         gap = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
         divergences.append((r, i, gap, drift))
@@ -112,9 +117,9 @@ def compare_samples(native: list[tuple[list[int], list[float]]], patched: list[t
             raise ValueError(f"sample {s}: token and logprob counts differ")
         if nt == pt:
             identical += 1
-            max_same = max([max_same] + [abs(a - b) for a, b in zip(nl, pl)])
+            max_same = max(max_same, _drift(nl, pl))
             continue
         j = next((i for i, (a, b) in enumerate(zip(nt, pt)) if a != b), min(len(nt), len(pt)))
-        drift = max((abs(a - b) for a, b in zip(nl[:j], pl[:j])), default=0.0)
+        drift = _drift(nl[:j], pl[:j])
         (acceptable if drift <= logprob_tol else real).append((s, j, drift))
     return SampleAgreement(identical, acceptable, real, len(native), max_same)
