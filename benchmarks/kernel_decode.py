@@ -61,8 +61,7 @@ L = 16
 # A fifth element 1 / 2 selects the two-phase launch (prep + main kernel; 2 = with programmatic
 # dependent launch).
 # Modes 3 / 4 are the replay-vector two-phase launch (4 = with PDL); their sixth element is the
-# prep kernel's warps. Mode 5 is the streamed launch: (..., 5, prep warps, pipeline stages,
-# persistent programs per SM, value rows per flush program). Forms tried and dropped on 2026-12-01 (tensor-core mat-vecs, a pipelined
+# prep kernel's warps. Forms tried and dropped on 2026-12-01 (tensor-core mat-vecs, a pipelined
 # chunk-loop main kernel, a prep kernel over all value heads at once) are in
 # benchmarks/results/kernel_decode_sweeps_2026-12-01/README.md. (The sweeps
 # of earlier sessions, with more fused and chunk-loop forms, are in
@@ -72,12 +71,7 @@ SWEEP = [(8, 1, True, False), (16, 1, True, False), (32, 1, True, False),
          (8, 1, False, False, 3, 1), (16, 1, False, False, 3, 1), (32, 1, False, False, 3, 1),
          (16, 1, False, False, 4, 1), (32, 1, False, False, 4, 1),
          (8, 2, True, False), (16, 2, True, False), (32, 2, True, False), (32, 4, True, False),
-         (64, 4, True, False),
-         (16, 1, False, False, 5, 1, 3, 8, 32), (32, 1, False, False, 5, 1, 2, 8, 32),
-         (16, 1, False, False, 5, 1, 3, 16, 16), (8, 1, False, False, 5, 1, 3, 16, 32),
-         (32, 1, False, False, 5, 1, 2, 8, 16), (16, 1, False, False, 5, 1, 4, 8, 32),
-         (32, 1, False, False, 5, 1, 3, 4, 32), (8, 1, False, False, 5, 1, 4, 24, 16),
-         (8, 1, False, False, 3, 1, 3), (16, 1, False, False, 3, 1, 3), (32, 1, False, False, 3, 1, 3)]
+         (64, 4, True, False)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -285,13 +279,9 @@ def copy_bandwidth():
 
 def cfg_name(cfg):
     bv, w, pre = cfg[:3]
-    if len(cfg) > 4 and cfg[4] == 5:
-        pw, st, per_sm, fbv = (list(cfg[5:9]) + [1, 3, 8, 32][len(cfg[5:9]):])
-        return f"stream_bv{bv}_w{w}_s{st}_x{per_sm:g}_f{fbv}"
     if len(cfg) > 4 and cfg[4] in (3, 4):
         pw = cfg[5] if len(cfg) > 5 and cfg[5] else 1
-        fs = f"_fs{cfg[6]}" if len(cfg) > 6 and cfg[6] and cfg[6] > 1 else ""
-        return f"replay_bv{bv}_w{w}_p{pw}{fs}{'_pdl' if cfg[4] == 4 else ''}"
+        return f"replay_bv{bv}_w{w}_p{pw}{'_pdl' if cfg[4] == 4 else ''}"
     if len(cfg) > 4 and cfg[4]:
         split = f"_s{cfg[5]}" if len(cfg) > 5 and cfg[5] else ""
         return f"2phase_bv{bv}_w{w}{'_pf' if pre else ''}{split}{'_pdl' if cfg[4] == 2 else ''}"

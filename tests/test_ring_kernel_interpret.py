@@ -213,25 +213,6 @@ def case_replay_two_phase_bf16_strided_gqa3_no_l2norm():
                        out4=True, l2norm=False, seed=9, tol_out=2e-2, tol_state=2e-2)
 
 
-def case_streamed_fp32_flags_full_ring():
-    import torch
-
-    # The persistent streamed main kernel + flush kernel: few programs (2) looping over many
-    # tiles, force_flush, start_empty, n == L, null/padded rows, GQA 2, two value blocks.
-    return _run_cycles(H=2, HV=4, K=16, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
-                       adt=torch.float32, steps=9, config=(16, 1, False, False, 5, 1, 3, 0.015, 16),
-                       full_ring=True, use_force=True, use_start_empty=True, seed=10,
-                       tol_out=1e-5, tol_state=1e-5)
-
-
-def case_streamed_bf16_strided_gqa3_no_l2norm():
-    import torch
-
-    return _run_cycles(H=1, HV=3, K=16, V=16, L=3, sdt=torch.bfloat16, rdt=torch.bfloat16,
-                       adt=torch.bfloat16, steps=7, config=(16, 1, False, False, 5, 1, 2, 0.05, 16),
-                       strided=True, out4=True, l2norm=False, seed=11, tol_out=2e-2, tol_state=2e-2)
-
-
 def case_materialize_reset():
     import torch
 
@@ -307,8 +288,6 @@ CASES = [
     case_two_phase_bf16_strided_gqa3,
     case_replay_two_phase_fp32_flags_full_ring,
     case_replay_two_phase_bf16_strided_gqa3_no_l2norm,
-    case_streamed_fp32_flags_full_ring,
-    case_streamed_bf16_strided_gqa3_no_l2norm,
     case_materialize_reset,
     case_rejects_bad_inputs,
 ]

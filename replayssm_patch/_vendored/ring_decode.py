@@ -466,17 +466,15 @@ def _ring_main_kernel(
 @triton.jit
 def _replay_prep_kernel(
     qkv, a, b, A_log, dt_bias, idx, ring_d, ring_k, ring_g, cursor, force_flush, start_empty,
-    rep, sc, wts, meta, flist, fcount,
+    rep, sc, wts, meta,
     scale,
     stride_qkv, stride_a, stride_b, stride_idx, stride_ff, stride_se,
     slot_stride_d, slot_stride_k, slot_stride_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
     BK: tl.constexpr, BVF: tl.constexpr, LP: tl.constexpr,
     HAS_FF: tl.constexpr, HAS_SE: tl.constexpr, L2NORM: tl.constexpr, USE_PDL: tl.constexpr,
-    FLIST: tl.constexpr,
 ):
-    # Program = (row, key head); loops over the key head's HV / H value heads. With FLIST the
-    # flushing rows are also listed (in any order) in flist[0 : fcount] for the flush kernel.
+    # Program = (row, key head); loops over the key head's HV / H value heads.
     pid = tl.program_id(0)
     i_h = pid % H
     row = (pid // H).to(tl.int64)
@@ -521,9 +519,6 @@ def _replay_prep_kernel(
         tl.store(p_kr + n * K + o_k, k.to(ring_k.dtype.element_ty), mask=m_k)
     if i_h == 0:
         tl.store(meta + row, n | (flush.to(tl.int32) << 16))
-        if FLIST:
-            if flush:
-                tl.store(flist + tl.atomic_add(fcount, 1, sem="relaxed"), row.to(tl.int32))
 
     for i in range(GROUP):
         hv = i_h * GROUP + i
@@ -560,7 +555,7 @@ def _replay_main_kernel(
     slot_stride_state, slot_stride_d, slot_stride_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
-    FB: tl.constexpr, USE_PDL: tl.constexpr, FLUSH_STAGES: tl.constexpr,
+    FB: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = (row, value head, block of BV value rows), value block fastest (as native).
     pid = tl.program_id(0)
@@ -630,7 +625,7 @@ def _replay_main_kernel(
             m_fk = (o_f < V)[:, None] & m_k[None, :]
             p_f = state + slot * slot_stride_state + i_hv * (V * K) + o_f[:, None] * K + o_k[None, :]
             S_f = tl.load(p_f, mask=m_fk, other=0.0).to(tl.float32) * eG
-            for j in tl.range(0, n, num_stages=FLUSH_STAGES):  # >1: the entries' loads run ahead
+            for j in range(0, n):
                 w_j = tl.load(p_w + j)
                 d_j = tl.load(p_dr + j * V + o_f, mask=o_f < V, other=0.0).to(tl.float32)
                 k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -643,144 +638,6 @@ def _replay_main_kernel(
     if (i_hv == 0) & (i_v == 0):
         tl.store(cursor + slot, tl.where(flush, 0, n + 1))
 
-
-# --------------------------------------------------------------------------------------------
-# Streamed replay-vector decode (mode 5): the prep kernel above, then a persistent main kernel
-# whose programs loop over the (row, value head, BV rows) tiles with Triton's software
-# pipeliner, so the next tiles' slot index, checkpoint tile and small vectors are in flight
-# while one is computed. (The one-tile-per-program main kernel waits out two dependent round
-# trips per tile -- slot index, then tile -- with nothing else in flight: 66% of DRAM bandwidth.)
-# The loop body holds no nested loop (the pipeliner would leave such a loop alone): a flushing
-# tile only parks its d in the r_q scratch, and `_replay_flush_kernel` rebuilds and writes the
-# flushing rows' checkpoints afterwards.
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _replay_stream_kernel(
-    qkv, out, state, idx, ring_d, cursor, rep, sc, meta,
-    stride_qkv, stride_idx, slot_stride_state, slot_stride_d, n_tiles,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, NV: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    GROUP: tl.constexpr = HV // H
-    o_k = tl.arange(0, BK)
-    o_b = tl.arange(0, BV)
-    m_k = o_k < K
-    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
-        i_v = t % NV
-        i_hv = (t // NV) % HV
-        row = tl.cast(t // (NV * HV), tl.int64)
-        i_h = i_hv // GROUP
-        o_v = i_v * BV + o_b
-        m_v = o_v < V
-        slot = tl.load(idx + row * stride_idx).to(tl.int64)
-        live = slot > 0  # NULL block (0) and padding (-1) rows: zero output, nothing else touched
-        slot_c = tl.maximum(slot, 0)
-        # The scratch has a (never written) entry for every row: unmasked scalar loads stay in
-        # bounds, and a dead row's garbage only reaches masked stores.
-        info = tl.load(meta + row)
-        n = info & 0xFFFF
-        # Tiles of flushing rows are the flush kernel's. (The masks are built as vectors: the
-        # interpreter cannot AND a vector with a 0-d bool.)
-        keep = live & ((info >> 16) == 0)
-        keep_v = m_v & ((o_b * 0 + keep.to(tl.int32)) != 0)
-        keep_k = m_k & ((o_k * 0 + keep.to(tl.int32)) != 0)
-        p_s = state + slot_c * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-        S = tl.load(p_s, mask=keep_v[:, None] & keep_k[None, :], other=0.0).to(tl.float32)
-        p_x = qkv + row * stride_qkv
-        q = tl.load(p_x + i_h * K + o_k, mask=keep_k, other=0.0).to(tl.float32)
-        k = tl.load(p_x + H * K + i_h * K + o_k, mask=keep_k, other=0.0).to(tl.float32)
-        v = tl.load(p_x + 2 * H * K + i_hv * V + o_v, mask=keep_v, other=0.0).to(tl.float32)
-        base = row * HV + i_hv
-        p_sc = sc + base * 8
-        eG = tl.load(p_sc)
-        alpha = tl.load(p_sc + 1)
-        beta = tl.load(p_sc + 2)
-        k_dot_q = tl.load(p_sc + 3)
-        q = q * tl.load(p_sc + 4)
-        k = k * tl.load(p_sc + 5)
-        p_rep = rep + base * (2 * BVF) + o_v
-        r_q = tl.load(p_rep, mask=keep_v, other=0.0)
-        r_k = tl.load(p_rep + BVF, mask=keep_v, other=0.0)
-
-        Sq = eG * tl.sum(S * q[None, :], 1) + r_q
-        Sk = eG * tl.sum(S * k[None, :], 1) + r_k
-        d = beta * (v - alpha * Sk)
-        o = alpha * Sq + d * k_dot_q
-        dead_v = m_v & ((o_b * 0 + slot) <= 0)
-        tl.store(out + base * V + o_v, tl.where(keep_v, o, 0.0).to(out.dtype.element_ty), mask=keep_v | dead_v)
-        p_dr = ring_d + slot_c * slot_stride_d + i_hv * (L * V)
-        tl.store(p_dr + n * V + o_v, d.to(ring_d.dtype.element_ty), mask=keep_v)
-        if live & (i_hv == 0) & (i_v == 0):
-            tl.store(cursor + slot_c, tl.where((info >> 16) != 0, 0, n + 1))
-
-
-@triton.jit
-def _replay_flush_kernel(
-    qkv, out, state, idx, ring_d, ring_k, rep, sc, wts, meta, flist, fcount,
-    stride_qkv, stride_idx, slot_stride_state, slot_stride_d, slot_stride_k,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    # Persistent over the (listed flushing row, value head, BV rows) tiles: the step's output and
-    # S_new = alpha (exp(G_n) S_c + sum_{j<n} w_j d_j k_j^T) + d k^T as rank-1 fp32 updates.
-    GROUP: tl.constexpr = HV // H
-    o_k = tl.arange(0, BK)
-    o_b = tl.arange(0, BV)
-    m_k = o_k < K
-    n_items = tl.load(fcount) * (HV * NV)
-    for it in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        i_v = it % NV
-        i_hv = (it // NV) % HV
-        row = tl.load(flist + it // (NV * HV)).to(tl.int64)
-        i_h = i_hv // GROUP
-        o_v = i_v * BV + o_b
-        m_v = o_v < V
-        m_vk = m_v[:, None] & m_k[None, :]
-        slot = tl.load(idx + row * stride_idx).to(tl.int64)  # > 0: prep lists live rows only
-        n = tl.load(meta + row) & 0xFFFF
-        p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-        S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
-        p_x = qkv + row * stride_qkv
-        q = tl.load(p_x + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        k = tl.load(p_x + H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        v = tl.load(p_x + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        base = row * HV + i_hv
-        p_sc = sc + base * 8
-        eG = tl.load(p_sc)
-        alpha = tl.load(p_sc + 1)
-        beta = tl.load(p_sc + 2)
-        k_dot_q = tl.load(p_sc + 3)
-        q = q * tl.load(p_sc + 4)
-        k = k * tl.load(p_sc + 5)
-        p_rep = rep + base * (2 * BVF) + o_v
-        r_q = tl.load(p_rep, mask=m_v, other=0.0)
-        r_k = tl.load(p_rep + BVF, mask=m_v, other=0.0)
-        Sq = eG * tl.sum(S * q[None, :], 1) + r_q
-        Sk = eG * tl.sum(S * k[None, :], 1) + r_k
-        d = beta * (v - alpha * Sk)
-        o = alpha * Sq + d * k_dot_q
-        tl.store(out + base * V + o_v, o.to(out.dtype.element_ty), mask=m_v)
-
-        p_dr = ring_d + slot * slot_stride_d + i_hv * (L * V)
-        p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
-        p_w = wts + base * LP
-        S = S * eG
-        for j in tl.range(0, n, num_stages=STAGES):  # the entries' loads run ahead
-            w_j = tl.load(p_w + j)
-            d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            S += (w_j * d_j)[:, None] * k_j[None, :]
-        S = alpha * S + d[:, None] * k[None, :]
-        tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
-
-
-# --------------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------------
 
 @triton.jit
 def _ring_materialize_kernel(
@@ -965,11 +822,6 @@ def ring_decode(
     LP = max(16, triton.next_power_of_2(L))
     if config is None:
         config = pick_decode_config(N, HV, K, V, state.dtype, dev, H, ring_d.dtype)
-    if len(config) > 4 and config[4] == 5:
-        _streamed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, state_indices,
-                         ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, use_qk_l2norm,
-                         H, HV, K, V, L, BK, LP, (ss, sd, sk, sg), config)
-        return out3
     if len(config) > 4 and config[4] in (3, 4):
         _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, state_indices,
                                  ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, use_qk_l2norm,
@@ -1066,10 +918,10 @@ def _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3
     _replay_prep_kernel[(N * H,)](
         mixed_qkv, a, b, A_log, dt_bias, idx, ring_d, ring_k, ring_g, cursor,
         ff if ff is not None else idx, se if se is not None else idx,
-        rep, sc, wts, meta, meta, meta, float(scale),
+        rep, sc, wts, meta, float(scale),
         mixed_qkv.stride(0), a.stride(0), b.stride(0), idx.stride(0), s_ff, s_se, sd, sk, sg,
         H=H, HV=HV, K=K, V=V, L=L, BK=BK, BVF=BVF, LP=LP,
-        HAS_FF=ff is not None, HAS_SE=se is not None, L2NORM=bool(l2norm), USE_PDL=pdl, FLIST=False,
+        HAS_FF=ff is not None, HAS_SE=se is not None, L2NORM=bool(l2norm), USE_PDL=pdl,
         num_warps=config[5] if len(config) > 5 and config[5] else 1, num_stages=1,
     )
     extra = {"launch_pdl": True} if pdl else {}
@@ -1077,56 +929,7 @@ def _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3
         mixed_qkv, out3, state, idx, ring_d, ring_k, cursor, rep, sc, wts, meta,
         mixed_qkv.stride(0), idx.stride(0), ss, sd, sk,
         H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, BVF=BVF, LP=LP, NV=NV, FB=min(BV, 8), USE_PDL=pdl,
-        FLUSH_STAGES=config[6] if len(config) > 6 and config[6] else 1,
         num_warps=config[1], num_stages=1, **extra,
-    )
-
-
-def _streamed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
-                     ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, l2norm,
-                     H, HV, K, V, L, BK, LP, strides, config):
-    """Launch prep (which also lists the flushing rows), the persistent main kernel over the
-    other rows' tiles, and the persistent flush kernel over the listed rows' tiles.
-    config = (BV, num_warps, -, -, 5, prep_warps, stages, programs_per_sm, flush_bv)."""
-    ss, sd, sk, sg = strides
-    N = mixed_qkv.shape[0]
-    BVF = max(16, triton.next_power_of_2(V))
-    BV = min(config[0], BVF)
-    NV = triton.cdiv(V, BV)
-    extra = list(config[5:9])
-    prep_warps, stages, per_sm, flush_bv = (extra + [1, 3, 8, 32][len(extra):])[:4]
-    flush_bv = min(flush_bv, BVF)
-    dev = state.device
-    sms = _num_sms(dev)
-    rep = torch.empty(N, HV, 2, BVF, dtype=torch.float32, device=dev)
-    sc = torch.empty(N, HV, 8, dtype=torch.float32, device=dev)
-    wts = torch.empty(N, HV, LP, dtype=torch.float32, device=dev)
-    meta = torch.empty(N, dtype=torch.int32, device=dev)
-    flist = torch.empty(N, dtype=torch.int32, device=dev)
-    fcount = torch.zeros(1, dtype=torch.int32, device=dev)  # under graph capture: a memset node
-    _replay_prep_kernel[(N * H,)](
-        mixed_qkv, a, b, A_log, dt_bias, idx, ring_d, ring_k, ring_g, cursor,
-        ff if ff is not None else idx, se if se is not None else idx,
-        rep, sc, wts, meta, flist, fcount, float(scale),
-        mixed_qkv.stride(0), a.stride(0), b.stride(0), idx.stride(0), s_ff, s_se, sd, sk, sg,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BVF=BVF, LP=LP,
-        HAS_FF=ff is not None, HAS_SE=se is not None, L2NORM=bool(l2norm), USE_PDL=False, FLIST=True,
-        num_warps=prep_warps or 1, num_stages=1,
-    )
-    n_tiles = N * HV * NV
-    grid = (max(1, min(n_tiles, int(per_sm * sms))),)  # per_sm may be fractional
-    _replay_stream_kernel[grid](
-        mixed_qkv, out3, state, idx, ring_d, cursor, rep, sc, meta,
-        mixed_qkv.stride(0), idx.stride(0), ss, sd, n_tiles,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, BVF=BVF, NV=NV, STAGES=stages,
-        num_warps=config[1], num_stages=stages,
-    )
-    NVF = triton.cdiv(V, flush_bv)
-    _replay_flush_kernel[(max(1, min(N * HV * NVF, int(16 * sms))),)](
-        mixed_qkv, out3, state, idx, ring_d, ring_k, rep, sc, wts, meta, flist, fcount,
-        mixed_qkv.stride(0), idx.stride(0), ss, sd, sk,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=flush_bv, BVF=BVF, LP=LP, NV=NVF, STAGES=3,
-        num_warps=1, num_stages=1,
     )
 
 
