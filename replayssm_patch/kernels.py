@@ -58,11 +58,12 @@ def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ri
            numerics: KernelNumerics = FLA_NUMERICS):
     """One decode token per row through the ring (see ring_reference.ring_decode_reference).
     `numerics`: how the replaced vLLM kernel rounds (on CUDA only FLA_NUMERICS)."""
+    if state.is_cuda:
+        _cuda_numerics(numerics)  # refused before anything is counted or run
     counters["decode_calls"] += 1
     check_committed(ring, state_indices[: mixed_qkv.shape[0]])
     counters["decode_rows"] += int(mixed_qkv.shape[0])
     if state.is_cuda:
-        _cuda_numerics(numerics)
         result = _gpu().ring_decode(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
             ring.d, ring.k, ring.g, ring.cursor,
@@ -76,7 +77,7 @@ def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ri
             beta_rounding=b.dtype if numerics.beta_in_input_dtype else None,
             l2norm_eps=numerics.l2norm_eps,
         )
-    if not state.is_cuda:  # reading the cursors back costs nothing on CPU: count flushes
+        # reading the cursors back costs nothing on CPU: count flushes
         slots = state_indices[state_indices > 0].long()
         counters["flushes"] += int((ring.cursor[slots] == 0).sum())
     return result
@@ -113,11 +114,15 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     """One speculative step: commit each slot's previous window from `num_accepted`, then
     verify row i's tokens cu_seqlens[i]:cu_seqlens[i+1] (outputs for all of them) and keep
     their entries as the slot's new pending window. `state_indices` [rows], one slot per row."""
+    # refused before anything is counted or run
+    if state.is_cuda:
+        _cuda_numerics(numerics)
+    elif numerics.beta_in_input_dtype:
+        raise ValueError("the verify reference computes beta in fp32, as vLLM's CPU MTP kernel does")
     rows = int(state_indices.shape[0])
     counters["verify_calls"] += 1
     counters["verify_rows"] += rows
     if state.is_cuda:
-        _cuda_numerics(numerics)
         return _gpu_verify().ring_verify(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
             ring.d, ring.k, ring.g, ring.cursor, num_accepted, max_tokens, use_qk_l2norm=True)
@@ -134,8 +139,6 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     if slots.numel():
         width = (cu_seqlens[1:rows + 1] - cu_seqlens[:rows])[valid]
         counters["verify_flushes"] += int((n[slots] + width > L).sum())
-    if numerics.beta_in_input_dtype:
-        raise ValueError("the verify reference computes beta in fp32, as vLLM's CPU MTP kernel does")
     result = ref.ring_spec_verify_reference(
         mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
         ring.d, ring.k, ring.g, n, pending, None, use_qk_l2norm=True, l2norm_eps=numerics.l2norm_eps)

@@ -32,10 +32,6 @@ class Agreement:
     # the arms' numbers drift without changing a token (one bf16 step of a logit is 0.0156-0.031)
     max_drift_identical: float = 0.0
 
-    def not_at_a_tie(self, tie_gap: float = 0.01) -> list[tuple[int, int, float, float]]:
-        """Divergences where native's top-2 gap was not below `tie_gap` (drift not considered)."""
-        return [d for d in self.divergences if not d[2] < tie_gap]
-
     @property
     def identical_fraction(self) -> float:
         return self.identical / max(self.total, 1)
