@@ -41,7 +41,11 @@ are latency-bound, waiting on their loads with few warps resident (0.46 instruct
 per scheduler per cycle). Native's stores do not make a warp wait, so it keeps the DRAM busy
 with half our warps; a read-mostly kernel needs about twice the loads in flight, which neither
 smaller tiles, a shared-memory pipelined loop nor tensor-core dots gave under Triton 3.6. With
-an fp32 state the main kernels reach 77-82% and we win clearly (bytes dominate).
+an fp32 state the main kernels reach 77-82% and we win clearly (bytes dominate). At batch
+<= 8 with a 16-bit state the fused kernel is latency-bound on the replay work itself: with the
+checkpoint update knocked out it only ties native (job 7 of that README), and the flush of
+the rows whose ring is full (a serial rank-1 loop here; a tensor-core form measured 1-10%
+faster) comes on top.
 
 The cursor race (fused form). Every program of a row needs the row's cursor n, and the new cursor may only
 be written after all of them have read it. Triton has no grid-wide barrier, so the read itself
