@@ -61,7 +61,8 @@ L = 16
 # A fifth element 1 / 2 selects the two-phase launch (prep + main kernel; 2 = with programmatic
 # dependent launch).
 # Modes 3 / 4 are the replay-vector two-phase launch (4 = with PDL); their sixth element is the
-# prep kernel's warps. Forms tried and dropped on 2026-12-01 (tensor-core mat-vecs, a pipelined
+# prep kernel's warps. A true sixth (fused) or seventh (two-phase) element runs the flush on
+# tensor cores. Forms tried and dropped on 2026-12-01 (tensor-core mat-vecs, a pipelined
 # chunk-loop main kernel, a prep kernel over all value heads at once) are in
 # benchmarks/results/kernel_decode_sweeps_2026-12-01/README.md. (The sweeps
 # of earlier sessions, with more fused and chunk-loop forms, are in
@@ -71,7 +72,9 @@ SWEEP = [(8, 1, True, False), (16, 1, True, False), (32, 1, True, False),
          (8, 1, False, False, 3, 1), (16, 1, False, False, 3, 1), (32, 1, False, False, 3, 1),
          (16, 1, False, False, 4, 1), (32, 1, False, False, 4, 1),
          (8, 2, True, False), (16, 2, True, False), (32, 2, True, False), (32, 4, True, False),
-         (64, 4, True, False)]
+         (64, 4, True, False),
+         (16, 1, True, False, 0, True), (32, 1, True, False, 0, True),  # tensor-core flush
+         (16, 1, False, False, 2, 0, True), (32, 1, False, False, 2, 0, True)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -284,9 +287,11 @@ def cfg_name(cfg):
         return f"replay_bv{bv}_w{w}_p{pw}{'_pdl' if cfg[4] == 4 else ''}"
     if len(cfg) > 4 and cfg[4]:
         split = f"_s{cfg[5]}" if len(cfg) > 5 and cfg[5] else ""
-        return f"2phase_bv{bv}_w{w}{'_pf' if pre else ''}{split}{'_pdl' if cfg[4] == 2 else ''}"
+        tc = "_tcflush" if len(cfg) > 6 and cfg[6] else ""
+        return f"2phase_bv{bv}_w{w}{'_pf' if pre else ''}{split}{'_pdl' if cfg[4] == 2 else ''}{tc}"
     grp = len(cfg) > 3 and cfg[3]
-    return f"bv{bv}_w{w}_{'prefetch' if pre else 'masked'}{'_grouped' if grp else ''}"
+    tc = "_tcflush" if len(cfg) > 5 and cfg[5] else ""
+    return f"bv{bv}_w{w}_{'prefetch' if pre else 'masked'}{'_grouped' if grp else ''}{tc}"
 
 
 def run(args):
@@ -306,7 +311,7 @@ def run(args):
             jobs.append(("native", H, HV, sdt_name, None, args.vllm_root))
             cfgs = {c for c in (SWEEP if args.sweep else [])
                     if args.sweep_only is None or cfg_name(c) in args.sweep_only}
-            cfgs |= {pick_decode_config(b, HV, HEAD_DIM, HEAD_DIM, STATE_DTYPES[sdt_name], dev, H, RING_DTYPE) for b in batches}
+            cfgs |= {pick_decode_config(b, HV, HEAD_DIM, HEAD_DIM, STATE_DTYPES[sdt_name], dev, H, RING_DTYPE, L) for b in batches}
             for c in sorted(cfgs):
                 jobs.append(("ours", H, HV, sdt_name, c, args.vllm_root))
     print(f"pre-compiling {len(jobs)} kernels with {args.workers} workers", flush=True)
@@ -339,7 +344,7 @@ def run(args):
                 NL = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / per_layer)))
                 gen = torch.Generator(device="cuda").manual_seed(B * 131 + HV)
                 layers = [Layer(B, H, HV, sdt, gen) for _ in range(NL)]
-                heur = pick_decode_config(B, HV, HEAD_DIM, HEAD_DIM, sdt, dev, H, RING_DTYPE)
+                heur = pick_decode_config(B, HV, HEAD_DIM, HEAD_DIM, sdt, dev, H, RING_DTYPE, L)
                 graphs = {"native": capture(lambda ly: ly.native(native_fn), layers),
                           "ours": capture(lambda ly: ly.ours(None), layers)}
                 for ly in layers:
@@ -443,8 +448,9 @@ def rescore(path, test_report=None, note=None):
     rd._num_sms = lambda device: sms
     try:
         for r in res["rows"]:
-            cfg = pick_decode_config(r["batch"], r["HV"], r["K"], r["V"], dtypes[r["state_dtype"]], "cpu", r["H"],
-                                     dtypes[r.get("ring_dtype", "bf16")])
+            # a CUDA device type: the launch table's GPU-only rows apply (nothing runs here)
+            cfg = pick_decode_config(r["batch"], r["HV"], r["K"], r["V"], dtypes[r["state_dtype"]], "cuda", r["H"],
+                                     dtypes[r.get("ring_dtype", "bf16")], r.get("L", L))
             name = cfg_name(cfg)
             if name not in r["sweep_us"]:
                 raise SystemExit(f"{name} was not swept for {r['shape']} {r['state_dtype']} B={r['batch']}")

@@ -247,6 +247,52 @@ def case_materialize_reset():
     return res
 
 
+def case_tc_flush_fused_fp16_flags_full_ring():
+    import torch
+
+    # The tensor-core flush of the fused kernel (fp16 ring: the interpreter's fp16 dots are
+    # right): poisoned entries past every cursor, forced flushes, n == L, GQA 2, two blocks.
+    return _run_cycles(H=2, HV=4, K=32, V=32, L=16, sdt=torch.float16, rdt=torch.float16,
+                       adt=torch.float32, steps=6, config=(16, 1, True, False, 0, True), full_ring=True,
+                       use_force=True, seed=11, tol_out=2e-3, tol_state=2e-3)
+
+
+def case_tc_flush_two_phase_fp32_state_start_empty():
+    import torch
+
+    # The two-phase main kernel's tensor-core flush; an fp32 checkpoint keeps its accuracy.
+    return _run_cycles(H=1, HV=2, K=32, V=16, L=12, sdt=torch.float32, rdt=torch.float16,
+                       adt=torch.float32, steps=14, config=(16, 1, False, False, 1, 0, True),
+                       use_start_empty=True, seed=12, tol_out=1e-5, tol_state=1e-5)
+
+
+def case_tc_flush_refused_where_it_cannot_run():
+    import torch
+
+    from replayssm_patch._vendored.ring_decode import pick_decode_config, ring_decode
+
+    H, HV, K, V, slots, N = 1, 2, 16, 16, 3, 2
+    for L, rdt, BV in ((16, torch.bfloat16, 16), (16, torch.float32, 16), (8, torch.float16, 16),
+                       (16, torch.float16, 8)):
+        try:
+            ring_decode(torch.randn(N, 2 * H * K + HV * V), torch.randn(N, HV), torch.randn(N, HV),
+                        torch.zeros(HV), torch.zeros(HV), 0.25, torch.zeros(slots, HV, V, K),
+                        torch.zeros(N, HV, V), torch.tensor([1, 2], dtype=torch.int32),
+                        torch.zeros(slots, HV, L, V, dtype=rdt), torch.zeros(slots, H, L, K, dtype=rdt),
+                        torch.zeros(slots, HV, L), torch.zeros(slots, dtype=torch.int32),
+                        config=(BV, 1, True, False, 0, True))
+        except ValueError as e:
+            assert "tensor-core flush" in str(e), e
+            continue
+        raise AssertionError(f"tensor-core flush accepted with L={L}, ring {rdt}, BV={BV}")
+    # The launch table asks for it only where it runs: never with a bf16 ring off the GPU.
+    for pairs_rows in (1, 4, 40):
+        cfg = pick_decode_config(pairs_rows, 32, 128, 128, torch.bfloat16, "cpu", 16, torch.bfloat16, 16)
+        assert not any(c is True for c in cfg[5:]), cfg
+    assert pick_decode_config(1, 32, 128, 128, torch.bfloat16, "cpu", 16, torch.float16, 16)[5:] == (True,)
+    return {}
+
+
 def case_rejects_bad_inputs():
     import torch
 
@@ -289,6 +335,9 @@ CASES = [
     case_replay_two_phase_fp32_flags_full_ring,
     case_replay_two_phase_bf16_strided_gqa3_no_l2norm,
     case_materialize_reset,
+    case_tc_flush_fused_fp16_flags_full_ring,
+    case_tc_flush_two_phase_fp32_state_start_empty,
+    case_tc_flush_refused_where_it_cannot_run,
     case_rejects_bad_inputs,
 ]
 

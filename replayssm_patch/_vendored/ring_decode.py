@@ -13,8 +13,10 @@ How a decode step works here (per row, per value head, per block of BV value cha
     not full:  append (d, k, G_n + g) at entry n, cursor = n + 1
     flush:     S_new = alpha (exp(G_n) S_c + sum_j w_j d_j k_j^T) + d k^T on the tile already
                held (rank-1 fp32 updates, the next entry loaded while one is applied), written
-               in the state dtype; cursor = 0. (A tl.dot here spilled kilobytes of registers
-               under Triton 3.6 and made whole-V tiles 6-9x slower.)
+               in the state dtype; cursor = 0. Small launches with a 16-bit ring and tiles of
+               >= 16 rows do the rank-n part as one tensor-core product instead
+               (`_rank_update_tc`: a flushing row is their critical path). (On whole-V tiles
+               a tl.dot here spilled kilobytes of registers and was 6-9x slower.)
 
 Three launch forms (`pick_decode_config` chooses by batch size and dtypes):
 
@@ -82,6 +84,25 @@ _TICKET_SHIFT = 16  # cursor = arrivals << 16 | n while a launch is in flight
 
 
 @triton.jit
+def _rank_update_tc(rd, w, rk, live):
+    """sum_{j<n} w_j d_j k_j^T for one [BV, K] tile as a [BV, LP] x [LP, K] tensor-core product.
+
+    The ring keys are exact in their 16-bit dtype; each fp32 product w_j d_j is split into its
+    16-bit rounding and the remainder's (two products into one fp32 accumulator), so every term
+    keeps about 16 mantissa bits (bf16; fp16 a few more, less near its underflow) where the
+    rank-1 fp32 loop keeps 24 -- far below a 16-bit state's own rounding. rd: fp32 [LP, BV], 0
+    at j >= n; w: [LP], 0 at j >= n; rk: [LP, K] in the ring dtype, anything at j >= n (poison
+    included: those rows are zeroed here, since 0 * NaN would not vanish in the product).
+    """
+    wd = rd * w[:, None]
+    hi = wd.to(rk.dtype)
+    lo = (wd - hi.to(tl.float32)).to(rk.dtype)
+    kz = tl.where(live[:, None], rk, tl.zeros_like(rk))
+    acc = tl.dot(tl.trans(lo), kz, out_dtype=tl.float32)
+    return tl.dot(tl.trans(hi), kz, acc, out_dtype=tl.float32)
+
+
+@triton.jit
 def _ring_decode_kernel(
     qkv, a, b, A_log, dt_bias, out, state, idx,
     ring_d, ring_k, ring_g, cursor, force_flush, start_empty,
@@ -91,7 +112,7 @@ def _ring_decode_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr, HPP: tl.constexpr,
     HAS_FF: tl.constexpr, HAS_SE: tl.constexpr, L2NORM: tl.constexpr,
-    PREFETCH_RING: tl.constexpr,
+    PREFETCH_RING: tl.constexpr, FLUSH_TC: tl.constexpr,
 ):
     # Program = (row, block of HPP value heads that share one key head, block of BV values).
     pid = tl.program_id(0)
@@ -152,6 +173,7 @@ def _ring_decode_kernel(
 
     if not PREFETCH_RING:
         rk = tl.load(p_k, mask=live[:, None] & m_k[None, :], other=0.0)
+    rk_ring = rk  # in the ring's dtype, for a tensor-core flush
     rk = rk.to(tl.float32)
 
     if L2NORM:
@@ -209,23 +231,27 @@ def _ring_decode_kernel(
         tl.store(p_out + i * V, o.to(out.dtype.element_ty), mask=m_v)
 
         if flush:
-            # S_prev = exp(G_n) S_c + sum_{j<n} w_j d_j k_j^T on the tile we hold, as rank-1
-            # fp32 updates (never tf32, never a rounded low-precision product); entry j+1 is
-            # loaded (L1/L2 hits: read just above) while entry j is applied.
+            # S_prev = exp(G_n) S_c + sum_{j<n} w_j d_j k_j^T on the tile we hold.
             S = S * eG
-            # (entry 0 always exists; the prefetch index is clamped, its last value unused)
-            d_c = tl.load(p_dr + o_v, mask=m_v, other=0.0).to(tl.float32)
-            k_c = tl.load(p_kr + o_k, mask=m_k, other=0.0).to(tl.float32)
-            g_c = tl.load(p_g)
-            for j in range(0, n):
-                jn = tl.minimum(j + 1, L - 1)
-                d_x = tl.load(p_dr + jn * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-                k_x = tl.load(p_kr + jn * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                g_x = tl.load(p_g + jn)
-                S += (tl.exp(G_n - g_c) * d_c)[:, None] * k_c[None, :]
-                d_c = d_x
-                k_c = k_x
-                g_c = g_x
+            if FLUSH_TC:
+                # The ring entries are already in registers (rd: 0 at j >= n).
+                S = S + _rank_update_tc(rd, w, rk_ring, live)
+            else:
+                # Rank-1 fp32 updates (never tf32); entry j+1 is loaded (L1/L2 hits: read
+                # just above) while entry j is applied. Entry 0 always exists; the prefetch
+                # index is clamped, its last value unused.
+                d_c = tl.load(p_dr + o_v, mask=m_v, other=0.0).to(tl.float32)
+                k_c = tl.load(p_kr + o_k, mask=m_k, other=0.0).to(tl.float32)
+                g_c = tl.load(p_g)
+                for j in range(0, n):
+                    jn = tl.minimum(j + 1, L - 1)
+                    d_x = tl.load(p_dr + jn * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                    k_x = tl.load(p_kr + jn * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    g_x = tl.load(p_g + jn)
+                    S += (tl.exp(G_n - g_c) * d_c)[:, None] * k_c[None, :]
+                    d_c = d_x
+                    k_c = k_x
+                    g_c = g_x
             S = alpha * S + d[:, None] * k[None, :]
             tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
         else:
@@ -360,7 +386,7 @@ def _ring_main_kernel(
     slot_stride_state, slot_stride_d, slot_stride_k,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NSPLIT: tl.constexpr, CH: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, FLUSH_TC: tl.constexpr,
 ):
     # Program = (row, value head, one of NSPLIT runs of CH consecutive BV-row chunks of V). The
     # per-program work (slot, q, k, coefficients) is paid once per CH chunks; with PREFETCH the
@@ -433,13 +459,20 @@ def _ring_main_kernel(
         tl.store(p_out + o_v, o.to(out.dtype.element_ty), mask=m_v)
 
         if flush:
-            # Same rank-1 fp32 updates as the fused kernel's flush.
+            # Same updates as the fused kernel's flush (the ring entries are read here).
             S = S * eG
-            for j in range(0, n):
-                w_j = tl.load(c_row + j)
-                d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-                k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                S += (w_j * d_j)[:, None] * k_j[None, :]
+            if FLUSH_TC:
+                rd_all = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :],
+                                 other=0.0).to(tl.float32)
+                rk_all = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :],
+                                 other=0.0)
+                S = S + _rank_update_tc(rd_all, tl.load(c_row + o_l), rk_all, live)
+            else:
+                for j in range(0, n):
+                    w_j = tl.load(c_row + j)
+                    d_j = tl.load(p_dr + j * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                    k_j = tl.load(p_kr + j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    S += (w_j * d_j)[:, None] * k_j[None, :]
             S = alpha * S + d[:, None] * k[None, :]
             tl.store(p_s, S.to(state.dtype.element_ty), mask=m_vk)
         else:
@@ -711,6 +744,25 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter on CPU: any plausible value
 
 
+def _flush_tc_supported(ring_dtype: torch.dtype, L: int, device: torch.device) -> bool:
+    """Whether `_rank_update_tc` can run: 16-bit ring entries (the keys enter the product
+    exactly), >= 16 padded ring entries (tl.dot's smallest K); bf16 only on a GPU (Triton's
+    interpreter computes bf16 dots wrongly, fp16 ones right)."""
+    return (ring_dtype in (torch.float16, torch.bfloat16) and triton.next_power_of_2(L) >= 16
+            and (device.type == "cuda" or ring_dtype == torch.float16))
+
+
+def _flush_tc(config: tuple, at: int, BV: int, ring_d: torch.Tensor, L: int) -> bool:
+    """config[at] asks for the tensor-core flush; refuse it where it cannot run."""
+    if not (len(config) > at and config[at]):
+        return False
+    if BV < 16 or not _flush_tc_supported(ring_d.dtype, L, ring_d.device):
+        raise ValueError(
+            f"config {config}: the tensor-core flush needs BV >= 16 (got {BV}), L > 8 (got {L}) and a "
+            f"float16 ring, or a bfloat16 one on CUDA (got {ring_d.dtype} on {ring_d.device})")
+    return True
+
+
 def _row_flags(flags: torch.Tensor | None, n: int, name: str, device) -> tuple[torch.Tensor | None, int]:
     if flags is None:
         return None, 0
@@ -738,6 +790,9 @@ def _row_flags(flags: torch.Tensor | None, n: int, name: str, device) -> tuple[t
 #   nsplit        modes 1 / 2: programs per (row, value head), each looping over its share of the
 #                 V / BV chunks (default: one chunk per program); modes 3 / 4: warps per prep
 #                 program (default 1)
+#   flush_tc      fused (sixth element: (BV, w, pre, group, 0, flush_tc)), modes 1 / 2 (seventh): the
+#                 flush's rank-n update as one tensor-core product (`_rank_update_tc`); needs a
+#                 16-bit ring, BV >= 16 and L > 8 (bf16: on a GPU; the interpreter gets its dots wrong)
 #
 # Table from the H200 sweeps of 2026-12-01 (benchmarks/results/kernel_decode_sweeps_2026-12-01/;
 # Triton 3.6, K=V=128, L=16, bf16 activations; pairs = rows x value heads, thresholds scaled by
@@ -746,28 +801,44 @@ def _row_flags(flags: torch.Tensor | None, n: int, name: str, device) -> tuple[t
 # 8192 pairs with a 16-bit state or a 16-bit ring, the replay-vector form: its main kernel runs
 # at 62-82% of DRAM bandwidth where mode 1's runs at 54-77% (Nsight Compute, batch 512), which
 # pays for its slower prep kernel (34-46 us at batch 512, mode 1's 19-23 us) only at large
-# batch. With fp32 ring entries its prep reads twice the bytes and mode 1 stays.
+# batch. With fp32 ring entries its prep reads twice the bytes and mode 1 stays. Below 1024
+# pairs a flushing row's rank-n update is on the critical path of a latency-bound launch: with
+# a 16-bit ring it runs on tensor cores (job 7 of the sweeps: 1-10% faster there, no gain above).
 #
 #   state    ring    pairs          config
+#   any      16-bit  <= 64          (16, 1, prefetch, -, 0, tc)      fused, tensor-core flush
+#   fp32     16-bit  <= 128         (16, 1, prefetch, -, 0, tc)      fused, tensor-core flush
+#   16-bit   16-bit  129-511        (32, 1, prefetch, -, 0, tc)      fused, tensor-core flush
 #   any      any     <= 32          (8, 1, prefetch)                 fused
 #   fp32     any     <= 64          (16, 1, prefetch)                fused
 #   any      any     < 512          (32, 1, prefetch)                fused
 #   16-bit   any     >= 8192        (16, 1, -, -, replay)
 #   fp32     16-bit  >= 8192        (8, 1, -, -, replay)
+#   16-bit   16-bit  512-1023       (16, 1, -, -, two-phase + PDL, -, tc)
 #   any      any     >= 512         (8, 1, -, -, two-phase)
+# (The tensor-core rows apply where `_flush_tc_supported`; elsewhere the rows below them.)
 def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device,
-                       H: int | None = None, ring_dtype: torch.dtype | None = None) -> tuple:
+                       H: int | None = None, ring_dtype: torch.dtype | None = None,
+                       L: int | None = None) -> tuple:
     """Launch configuration for a decode launch of N rows (see the table above)."""
+    device = torch.device(device)
     bv_max = max(16, triton.next_power_of_2(V))
-    scale = _num_sms(torch.device(device)) / 132.0
+    scale = _num_sms(device) / 132.0
     pairs = N * HV / scale
     fp32_state = state_dtype == torch.float32
+    tc = ring_dtype is not None and L is not None and _flush_tc_supported(ring_dtype, L, device)
     if pairs >= 512:
         if pairs >= 8192 and not fp32_state:
             return (16, 1, False, False, 3, 1)
         if pairs >= 8192 and ring_dtype != torch.float32:
             return (8, 1, False, False, 3, 1)
+        if tc and not fp32_state and pairs < 1024:
+            return (16, 1, False, False, 2, 0, True)
         return (8, 1, False, False, 1)
+    if tc and (pairs <= 64 or (fp32_state and pairs <= 128)):
+        return (16, 1, True, False, 0, True)
+    if tc and not fp32_state and pairs > 128:
+        return (32, 1, True, False, 0, True)
     if pairs <= 32:
         bv = 8
     elif pairs <= 64 and fp32_state:
@@ -802,9 +873,9 @@ def ring_decode(
     Writes `out` ([N, HV, V] or [N, 1, HV, V], contiguous) and updates state / rings / cursor in
     place on the GPU: no host sync, safe to capture in a CUDA graph (the two-phase form allocates
     a small scratch per call, which under capture comes from the graph's memory pool).
-    `config` = (BV, num_warps, prefetch_ring[, group_heads[, mode[, nsplit]]]) overrides the
-    launch heuristic
-    (`pick_decode_config`; for benchmarks and tests).
+    `config` = (BV, num_warps, prefetch_ring[, group_heads[, mode[, ...]]]) overrides the launch
+    heuristic (`pick_decode_config`, whose table above lists the elements; for benchmarks and
+    tests).
     Returns `out` viewed as [N, HV, V].
     """
     H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, 0xFFFF)
@@ -825,7 +896,7 @@ def ring_decode(
     BK = triton.next_power_of_2(K)
     LP = max(16, triton.next_power_of_2(L))
     if config is None:
-        config = pick_decode_config(N, HV, K, V, state.dtype, dev, H, ring_d.dtype)
+        config = pick_decode_config(N, HV, K, V, state.dtype, dev, H, ring_d.dtype, L)
     if len(config) > 4 and config[4] in (3, 4):
         _replay_two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, state_indices,
                                  ring_d, ring_k, ring_g, cursor, ff, s_ff, se, s_se, use_qk_l2norm,
@@ -853,7 +924,7 @@ def ring_decode(
         ss, sd, sk, sg,
         H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV, HPP=HPP,
         HAS_FF=ff is not None, HAS_SE=se is not None, L2NORM=bool(use_qk_l2norm),
-        PREFETCH_RING=bool(prefetch),
+        PREFETCH_RING=bool(prefetch), FLUSH_TC=_flush_tc(config, 5, BV, ring_d, L),
         num_warps=num_warps, num_stages=1,
     )
     return out3
@@ -864,9 +935,10 @@ def _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
                       H, HV, K, V, L, BK, LP, strides, config):
     """Launch the prep and main kernels.
 
-    config = (BV, num_warps, prefetch_next_chunk, -, mode[, nsplit]): mode 1 = two-phase, 2 = with
-    programmatic dependent launch; nsplit = programs per (row, value head), each looping over
-    cdiv(V / BV, nsplit) chunks of BV value rows (default: one chunk per program).
+    config = (BV, num_warps, prefetch_next_chunk, -, mode[, nsplit[, flush_tc]]): mode 1 =
+    two-phase, 2 = with programmatic dependent launch; nsplit = programs per (row, value head),
+    each looping over cdiv(V / BV, nsplit) chunks of BV value rows (default, 0: one chunk per
+    program); flush_tc: the flush on tensor cores.
     """
     ss, sd, sk, sg = strides
     N = mixed_qkv.shape[0]
@@ -897,7 +969,7 @@ def _two_phase_decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out3, idx,
         mixed_qkv, out3, state, idx, ring_d, ring_k, cursor, qk, coef, meta,
         mixed_qkv.stride(0), idx.stride(0), ss, sd, sk,
         H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NSPLIT=nsplit, CH=CH,
-        PREFETCH=bool(config[2]), USE_PDL=pdl,
+        PREFETCH=bool(config[2]), USE_PDL=pdl, FLUSH_TC=_flush_tc(config, 6, BV, ring_d, L),
         num_warps=config[1], num_stages=1, **extra,
     )
 

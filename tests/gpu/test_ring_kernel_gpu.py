@@ -225,10 +225,20 @@ CASES = [
     ("gqa1_fp16_replay_bv16", 2, 2, 128, 128, 16, F16, F16, (16, 1, False, False, 3, 1)),
     ("gqa4_fp32_fp16ring_replay_pdl_bv32", 2, 8, 128, 128, 16, F32, F16, (32, 1, False, False, 4, 1)),
     ("gqa8_fp32_replay_prep2_bv8", 1, 8, 128, 128, 16, F32, F32, (8, 1, False, False, 3, 2)),
+    # the flush's rank-n update on tensor cores (16-bit rings; fused and two-phase launches)
+    ("gqa2_bf16_tcflush_bv16", 2, 4, 128, 128, 16, BF16, BF16, (16, 1, True, False, 0, True)),
+    ("gqa4_fp16_tcflush_bv32", 2, 8, 128, 128, 16, F16, F16, (32, 1, True, False, 0, True)),
+    ("gqa4_fp32_bf16ring_tcflush_bv16", 2, 8, 128, 128, 16, F32, BF16, (16, 1, True, False, 0, True)),
+    ("gqa3_bf16_tcflush_grouped_bv32", 2, 6, 128, 128, 16, BF16, BF16, (32, 1, False, True, 0, True)),
+    ("k64_gqa2_fp16_tcflush_bv16_L12", 2, 4, 64, 64, 12, F16, F16, (16, 1, True, False, 0, True)),
+    ("gqa3_bf16_2phase_pdl_tcflush_bv16", 2, 6, 128, 128, 16, BF16, BF16, (16, 1, False, False, 2, 0, True)),
+    ("gqa4_fp32_fp16ring_2phase_tcflush_bv32", 2, 8, 128, 128, 16, F32, F16, (32, 1, False, False, 1, 0, True)),
 ]
 
 TWO_PHASE_PDL = (8, 1, True, False, 2, 4)
 REPLAY_PDL = (16, 1, False, False, 4, 1)
+TC_FLUSH = (16, 1, True, False, 0, True)
+TWO_PHASE_TC_FLUSH = (16, 1, False, False, 2, 0, True)
 
 
 @pytest.mark.parametrize("name,H,HV,K,V,L,sdt,rdt,config", CASES, ids=[c[0] for c in CASES])
@@ -247,7 +257,8 @@ def test_bf16_output_and_contiguous_state():
     assert out_rel < 1e-2 and state_rel < 1e-2
 
 
-@pytest.mark.parametrize("config", [None, TWO_PHASE_PDL, REPLAY_PDL], ids=["default", "2phase_pdl", "replay_pdl"])
+@pytest.mark.parametrize("config", [None, TWO_PHASE_PDL, REPLAY_PDL, TC_FLUSH, TWO_PHASE_TC_FLUSH],
+                         ids=["default", "2phase_pdl", "replay_pdl", "tcflush", "2phase_tcflush"])
 @pytest.mark.parametrize("sdt,rdt,bound", [(F32, F32, 1e-5), (BF16, BF16, 2e-2)], ids=["fp32", "bf16"])
 def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, config):
     """force_flush / start_empty at random, 200 rows (the bandwidth-bound launch config), same
@@ -255,6 +266,10 @@ def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, config):
     With low-precision rings an entry on a rounding boundary can round one ulp apart in the two
     implementations, hence the looser bound there."""
     H, HV, K, V, L = 4, 16, 128, 128, 8
+    if config in (TC_FLUSH, TWO_PHASE_TC_FLUSH):
+        if rdt == F32:
+            pytest.skip("the tensor-core flush needs a 16-bit ring")
+        L = 16  # and >= 16 padded ring entries
     p = Problem(H, HV, K, V, L, sdt, rdt, seed=11, n_real=200)
     ref_state = p.state.clone()
     ref_rings = [t.clone() for t in p.rings()]
@@ -303,7 +318,8 @@ def test_materialize_and_reset():
     assert torch.equal(p.cursor, ref[4])
 
 
-@pytest.mark.parametrize("config", [None, TWO_PHASE_PDL, REPLAY_PDL], ids=["default", "2phase_pdl", "replay_pdl"])
+@pytest.mark.parametrize("config", [None, TWO_PHASE_PDL, REPLAY_PDL, TWO_PHASE_TC_FLUSH],
+                         ids=["default", "2phase_pdl", "replay_pdl", "2phase_tcflush"])
 def test_cuda_graph_full_cycle_matches_eager(config):
     """A graph captured over one full ring cycle (L steps, per-step static inputs refilled
     before each replay) gives bit-identical results to eager calls on a copy."""
