@@ -808,13 +808,13 @@ def _row_flags(flags: torch.Tensor | None, n: int, name: str, device) -> tuple[t
 #   state    ring    pairs          config
 #   any      16-bit  <= 64          (16, 1, prefetch, -, 0, tc)      fused, tensor-core flush
 #   fp32     16-bit  <= 128         (16, 1, prefetch, -, 0, tc)      fused, tensor-core flush
-#   16-bit   16-bit  129-511        (32, 1, prefetch, -, 0, tc)      fused, tensor-core flush
+#   16-bit   16-bit  129-511        (32, 1, -, -, two-phase + PDL, -, tc)
+#   any      16-bit  512-1023       (16, 1, -, -, two-phase + PDL, -, tc)
 #   any      any     <= 32          (8, 1, prefetch)                 fused
 #   fp32     any     <= 64          (16, 1, prefetch)                fused
 #   any      any     < 512          (32, 1, prefetch)                fused
 #   16-bit   any     >= 8192        (16, 1, -, -, replay)
 #   fp32     16-bit  >= 8192        (8, 1, -, -, replay)
-#   16-bit   16-bit  512-1023       (16, 1, -, -, two-phase + PDL, -, tc)
 #   any      any     >= 512         (8, 1, -, -, two-phase)
 # (The tensor-core rows apply where `_flush_tc_supported`; elsewhere the rows below them.)
 def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, device,
@@ -832,13 +832,13 @@ def pick_decode_config(N: int, HV: int, K: int, V: int, state_dtype: torch.dtype
             return (16, 1, False, False, 3, 1)
         if pairs >= 8192 and ring_dtype != torch.float32:
             return (8, 1, False, False, 3, 1)
-        if tc and not fp32_state and pairs < 1024:
+        if tc and pairs < 1024:
             return (16, 1, False, False, 2, 0, True)
         return (8, 1, False, False, 1)
     if tc and (pairs <= 64 or (fp32_state and pairs <= 128)):
         return (16, 1, True, False, 0, True)
     if tc and not fp32_state and pairs > 128:
-        return (32, 1, True, False, 0, True)
+        return (32, 1, False, False, 2, 0, True)
     if pairs <= 32:
         bv = 8
     elif pairs <= 64 and fp32_state:

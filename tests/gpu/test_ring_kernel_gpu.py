@@ -287,7 +287,8 @@ def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, config):
         assert not torch.isnan(out).any()
         assert torch.equal(p.cursor, ref_rings[3]), f"step {step}: cursor mismatch"
         worst = max(worst, _rel(out, ref_out))
-    tag = {None: "", TWO_PHASE_PDL: "_2phase_pdl", REPLAY_PDL: "_replay_pdl"}[config]
+    tag = {None: "", TWO_PHASE_PDL: "_2phase_pdl", REPLAY_PDL: "_replay_pdl", TC_FLUSH: "_tcflush",
+           TWO_PHASE_TC_FLUSH: "_2phase_tcflush"}[config]
     _record(f"flags_large_batch_{str(sdt)[6:]}{tag}", {"out_rel_vs_ring_reference": worst, "bound": bound})
     assert worst < bound
 
