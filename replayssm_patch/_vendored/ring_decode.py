@@ -46,8 +46,8 @@ smaller tiles, a shared-memory pipelined loop nor tensor-core dots gave under Tr
 an fp32 state the main kernels reach 77-82% and we win clearly (bytes dominate). At batch
 <= 8 with a 16-bit state the fused kernel is latency-bound on the replay work itself: with the
 checkpoint update knocked out it only ties native (job 7 of that README), and the flush of
-the rows whose ring is full (a serial rank-1 loop here; a tensor-core form measured 1-10%
-faster) comes on top.
+the rows whose ring is full comes on top (on tensor cores in these launches with a 16-bit
+ring: 1-10% faster than the rank-1 loop).
 
 The cursor race (fused form). Every program of a row needs the row's cursor n, and the new cursor may only
 be written after all of them have read it. Triton has no grid-wide barrier, so the read itself
