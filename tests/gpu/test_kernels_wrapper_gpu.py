@@ -32,7 +32,9 @@ def _rel(x, ref):
 
 
 def _twins(seed, slots, ring_dtype, cursor):
-    """(CUDA ring + state, CPU copies): a fp32 checkpoint, rings filled below each cursor."""
+    """(CUDA ring + state, CPU copies): an fp32 checkpoint and random ring entries at every
+    position (the kernel tests poison the entries past the cursor; here both paths read the
+    same values)."""
     gen = torch.Generator().manual_seed(seed)
     state = torch.randn(slots, HV, V, K, generator=gen) * 0.2
     d = (torch.randn(slots, HV, L, V, generator=gen) * 0.3).to(ring_dtype)
