@@ -105,7 +105,7 @@ def arm(args) -> None:
     if args.arm == "patched":
         import replayssm_patch
 
-        assert replayssm_patch.patch(ring_len=args.ring_len, strict=True)["applied"]
+        assert replayssm_patch.patch(ring_len=args.ring_len, strict=True, min_batch=args.min_batch)["applied"]
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -185,6 +185,10 @@ def main() -> int:
                          "prefill does would inject it and change the tokens. Not re-applied after a "
                          "wake-up: the rings live in the KV cache, which sleep discards and wake-up "
                          "re-maps with unspecified contents")
+    ap.add_argument("--min-batch", default="auto",
+                    help="patch(min_batch=...) in the patched arm: the smallest decode batch served by the ring "
+                         "(default auto: the measured table; on CPU plain decode then stays native, so pass 1 to "
+                         "run the ring there)")
     ap.add_argument("--out", default=None, help="also write the summary JSON to this file")
     ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -208,7 +212,8 @@ def main() -> int:
     for name in ("native", "patched"):
         cmd = [sys.executable, __file__, "--arm", name, "--model", args.model, "--rounds", str(args.rounds),
                "--prompts", str(args.prompts), "--samples", str(args.samples), "--tokens", str(args.tokens),
-               "--ring-len", str(args.ring_len), "--sleep-level", str(args.sleep_level),
+               "--ring-len", str(args.ring_len), "--min-batch", str(args.min_batch),
+               "--sleep-level", str(args.sleep_level),
                "--model-dtype", args.model_dtype] + (["--graphs"] if args.graphs else [])
         arm_env = dict(env, **{ENV_POISON: "1"}) if args.poison and name == "patched" else env
         p = subprocess.run(cmd, env=arm_env, capture_output=True, text=True)

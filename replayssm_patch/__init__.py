@@ -20,7 +20,8 @@ OptionError = _options.OptionError
 
 
 def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict: bool = False,
-          ring_dtype: str = "auto", allow_16bit_state: bool = False, allow_mtp_cuda: bool = False) -> dict:
+          ring_dtype: str = "auto", allow_16bit_state: bool = False, allow_mtp_cuda: bool = False,
+          min_batch: int | str = "auto") -> dict:
     """Turn ReplaySSM GDN decode on (or off) for this process and the vLLM processes it starts.
 
     enable: True to serve decode through the ring, False to keep vLLM native.
@@ -38,6 +39,11 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         ring. Off by default: measured end to end it is slower than vLLM 0.33's fused CUDA MTP
         kernel in most configs; opt in for the GDN cache memory it saves (one state slot per
         request instead of 1+T). CPU serves MTP through the ring either way.
+    min_batch: plain decode steps with fewer rows decode with vLLM's native kernel (the rows'
+        rings are flushed first, so the switch is exact either way); "auto" (default) takes the
+        measured table (`replayssm_patch.dispatch`): on CUDA the ring from batch 1 for an fp32
+        state and from 128 for a 16-bit one; on CPU never (plain decode stays native and the
+        ring is not allocated; any integer serves it from that batch size).
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """
@@ -54,8 +60,10 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         ring_dtype=_options.check_ring_dtype("ring_dtype", ring_dtype),
         allow_16bit_state=allow_16bit_state,
         allow_mtp_cuda=allow_mtp_cuda,
+        min_batch=_options.check_min_batch("min_batch", min_batch),
     )
     os.environ.update(opts.to_env())  # vLLM's child processes inherit the environment
+    _options.declare_to_vllm()
     from . import patching
 
     return patching.apply(opts)

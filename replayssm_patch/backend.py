@@ -9,7 +9,10 @@ device from `seq_lens` and `query_start_loc` (exact under async scheduling, no h
   ring_start_empty  the row starts a new block (align) or has no prior state: its slot's
                     state was put there without a ring, so any cursor there is stale.
 
-The flags live in persistent buffers, so FULL CUDA graphs replay with fresh values.
+The flags live in persistent buffers, so FULL CUDA graphs replay with fresh values. It also
+decides, once per step, whether the step's plain decode rows go through the ring at all
+(`ring_decode`, from the layers' `RingPlan.min_batch`: see replayssm_patch.dispatch); a FULL
+CUDA graph keeps the decision taken for its batch size when it was captured.
 
 With speculative decoding (MTP) each request has one state slot (the layer asks for
 `num_speculative_blocks=0`); the verify window lives in the ring as a pending window until
@@ -39,6 +42,7 @@ class ReplayGDNAttentionMetadata(GDNAttentionMetadata):
     ring_prefill_slots: torch.Tensor | None = None  # prefill slots whose ring empties after
     ring_commit_slots: torch.Tensor | None = None  # MTP: non-spec rows' slots, commit first
     ring_commit_accepted: torch.Tensor | None = None  # MTP: their num_accepted_tokens
+    ring_decode: bool = True  # this step's plain decode rows go through the ring (else native)
 
 
 class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -49,12 +53,16 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.ring_start_empty = torch.zeros(rows, dtype=torch.int8, device=device)
         self.align = vllm_config.cache_config.mamba_cache_mode == "align"
         self.block_size = kv_cache_spec.block_size
+        # every layer of a group has the same plan (it is taken from the config alone)
+        layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
+        self.min_batch = layer.ring_plan.min_batch
 
     def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
               num_decode_draft_tokens_cpu=None, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                            num_decode_draft_tokens_cpu, fast_build)
         extra = self._ring_fields(common_attn_metadata, md)
+        extra["ring_decode"] = bool(self.num_spec) or md.num_decodes >= self.min_batch
         if self.num_spec:
             extra.update(self._spec_fields(common_attn_metadata, md, num_accepted_tokens,
                                            num_decode_draft_tokens_cpu))

@@ -31,6 +31,7 @@ class RingCall:
     start_empty: torch.Tensor
     scale: float
     spec_window: int = 0  # T+1 with speculative decoding on the ring, else 0
+    native_decode: bool = False  # this step's plain decode rows run vLLM's kernel (dispatch)
 
 
 _active: RingCall | None = None
@@ -80,11 +81,17 @@ def _one_token_rows(cu_seqlens, n) -> bool:
     return cu_seqlens is not None and cu_seqlens.shape[0] == n + 1
 
 
-def _passthrough(native, call, state_vk, indices, bound):
-    """A call on a ring layer's state that the ring cannot serve: flush the rows it will
-    read, so vLLM's kernel sees canonical states, and leave their rings empty."""
+def _passthrough(native, call, state_vk, indices, bound, rows=None):
+    """A call on a ring layer's state that vLLM's kernel serves (the ring cannot, or the step
+    decodes natively): flush the rows it will read, so the kernel sees canonical states, and
+    leave their rings empty. `rows`: one token per row, whose `start_empty` flags apply (a
+    row whose state came without its ring drops the stale ring instead of replaying it)."""
     if call is not None:
-        kernels.materialize(state_vk, call.ring, indices.reshape(-1))
+        if rows is None:
+            kernels.materialize(state_vk, call.ring, indices.reshape(-1))
+        else:
+            kernels.materialize(state_vk, call.ring, indices[:rows], call.start_empty[:rows])
+            kernels.counters["native_decode_calls"] += 1
     return native(**bound)
 
 
@@ -131,6 +138,8 @@ def make_packed_decode_wrapper(native):
             return _passthrough(native, call, state, idx, p)
         x, out = p["mixed_qkv"], p["out"]
         n = x.shape[0]
+        if call.native_decode:
+            return _passthrough(native, call, state, idx, p, rows=n)
         kernels.decode(x, p["a"], p["b"], p["A_log"], p["dt_bias"], p["scale"], state,
                        out.view(n, -1, out.shape[-1]), idx[:n], call.ring,
                        call.force_flush[:n], call.start_empty[:n])
@@ -160,6 +169,8 @@ def make_sigmoid_update_wrapper(native):
         if (acc is not None or not _one_token_rows(p["cu_seqlens"], n)
                 or not p["use_qk_l2norm_in_kernel"] or not p["inplace_final_state"]):
             return _passthrough(native, call, state, idx, p)
+        if call.native_decode:
+            return _passthrough(native, call, state, idx, p, rows=n)
         out = _decode_split_qkv(call, p, state, idx, leading=(1, n))
         return out, state
 
@@ -182,8 +193,13 @@ def make_cpu_update_wrapper(native):
         n = q.shape[1]
         if not _one_token_rows(p["cu_seqlens"], n) or not p["use_qk_l2norm_in_kernel"]:
             return _passthrough(native, call, state, idx, p)
-        # Round as this kernel does (q/k norm eps, beta in b's dtype): the same recurrence.
-        out = _decode_split_qkv(call, p, state, idx, leading=(n, 1), numerics=kernels.CPU_DECODE_NUMERICS)
+        if call.native_decode:
+            out = _passthrough(native, call, state, idx, p, rows=n)
+            if shadow.enabled():  # native advanced the canonical states: the shadow follows
+                shadow.sync_slots(call.ring, src, idx[:n])
+            return out
+        # The step itself is this kernel's, taken from the replayed state: exact on empty rings.
+        out = kernels.decode_with_cpu_kernel(native, p, call.ring, call.force_flush, call.start_empty)
         if shadow.enabled():
             shadow.check_decode(native, p, call.ring, out, call.start_empty)
         return out
@@ -230,7 +246,7 @@ def run_with_ring(layer, md, state_for_kernels, native_call):
     if md.ring_prefill_flush_slots is not None:
         kernels.materialize(state_for_kernels, ring, md.ring_prefill_flush_slots)
     call = RingCall(layer.kv_cache[1].data_ptr(), ring, md.ring_force_flush, md.ring_start_empty,
-                    layer.head_k_dim ** -0.5, layer.ring_plan.spec_window)
+                    layer.head_k_dim ** -0.5, layer.ring_plan.spec_window, native_decode=not md.ring_decode)
     with ring_call(call):
         result = native_call()
     if md.ring_prefill_slots is not None:

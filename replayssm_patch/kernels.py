@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_ring
 from ._vendored import gdn_reference as ref_gdn
 from ._vendored import ring_reference as ref
 
@@ -83,12 +84,26 @@ def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ri
     return result
 
 
-def materialize(state, ring, slots):
-    """Flush the rings of `slots` (<= 0 ignored) into the checkpoint."""
+def decode_with_cpu_kernel(native, params: dict, ring, force_flush, start_empty):
+    """CPU: one decode token per row through the ring, the step taken by vLLM's CPU decode
+    kernel `native` from each row's replayed state (cpu_ring.ring_decode); `params`: the named
+    arguments of the call to `native`."""
+    idx = params["initial_state_indices"][: params["q"].shape[1]]
+    counters["decode_calls"] += 1
+    check_committed(ring, idx)
+    counters["decode_rows"] += int(idx.shape[0])
+    result = cpu_ring.ring_decode(native, params, ring, force_flush, start_empty)
+    counters["flushes"] += int((ring.cursor[idx[idx > 0].long()] == 0).sum())
+    return result
+
+
+def materialize(state, ring, slots, start_empty=None):
+    """Flush the rings of `slots` (<= 0 ignored) into the checkpoint; a slot whose
+    `start_empty` flag (one per entry of `slots`) is set drops its stale ring instead."""
     counters["materialize_calls"] += 1
     check_committed(ring, slots)
     fn = _gpu().ring_materialize if state.is_cuda else ref.ring_materialize_reference
-    fn(state, ring.d, ring.k, ring.g, ring.cursor, slots)
+    fn(state, ring.d, ring.k, ring.g, ring.cursor, slots, start_empty)
 
 
 def reset(ring, slots):

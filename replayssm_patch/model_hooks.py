@@ -14,6 +14,8 @@ add the same ring tensors there:
 from __future__ import annotations
 
 import inspect
+import re
+import sys
 
 _MARK = "_replayssm_page_hook"
 # (class, attribute name, previous value in the class __dict__ or None)
@@ -37,14 +39,52 @@ def _model_class(vllm_config):
     return cls
 
 
+def builds_qwen_gdn_layers(vllm_config) -> tuple[bool, str]:
+    """Whether the served model class builds vLLM's `QwenGatedDeltaNetAttention` (the class the
+    patch replaces, by name) somewhere below it: follows the vLLM classes each class's source
+    names, starting from the model class and its bases. Olmo, Kimi and other GDN layers are
+    their own classes and stay native."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention as target
+
+    try:
+        cls = _model_class(vllm_config)
+    except Exception as e:
+        return False, f"cannot resolve the model class: {e}"
+    seen, todo = set(), [cls]
+    while todo:
+        for klass in todo.pop().__mro__:
+            if klass in seen or not klass.__module__.startswith("vllm."):
+                continue
+            seen.add(klass)
+            try:
+                source = inspect.getsource(klass)
+            except (OSError, TypeError):
+                continue
+            module = sys.modules.get(klass.__module__)
+            for name in set(re.findall(r"\b[A-Za-z_]\w*\b", source)):
+                obj = getattr(module, name, None)
+                if obj is target:
+                    return True, ""
+                if isinstance(obj, type) and obj not in seen and obj.__module__.startswith("vllm.model"):
+                    todo.append(obj)
+    return False, (f"{cls.__name__} builds no {target.__name__} layer (its GDN layers, if any, are another "
+                   "class, which the patch leaves native)")
+
+
 def _set(cls, name, value):
     _installed.append((cls, name, cls.__dict__.get(name)))
     setattr(cls, name, value)
 
 
+def _is_gdn_state(spec, gdn_state_shape) -> bool:
+    shapes = tuple(tuple(x) for x in spec.shapes)
+    return len(shapes) == 2 and shapes[1] == tuple(gdn_state_shape)
+
+
 def ensure(vllm_config, ring_shapes_for) -> tuple[bool, str]:
     """Install the hooks on the served model class; `ring_shapes_for(vllm_config)` returns
-    (shapes, dtypes) to append, or None when the ring is off for that config."""
+    (shapes, dtypes) to append and the GDN SSM state shape they go with, or None when the ring
+    is off for that config."""
     try:
         cls = _model_class(vllm_config)
     except Exception as e:  # registry API differences, import failures
@@ -63,11 +103,10 @@ def ensure(vllm_config, ring_shapes_for) -> tuple[bool, str]:
                 return specs
             from dataclasses import replace
 
-            return [
-                replace(s, shapes=tuple(s.shapes) + extra[0], dtypes=tuple(s.dtypes) + extra[1])
-                if getattr(s.mamba_type, "name", str(s.mamba_type)).upper().endswith("GDN_ATTN") else s
-                for s in specs
-            ]
+            # the GDN spec is told by what it holds (conv state + an SSM state of the GDN
+            # shape), not by its mamba_type: Qwen4Exp builds it without one (MAMBA2 by default)
+            return [replace(s, shapes=tuple(s.shapes) + extra[0], dtypes=tuple(s.dtypes) + extra[1])
+                    if _is_gdn_state(s, extra[2]) else s for s in specs]
 
         _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config))
     elif _platform_prefers_specs():

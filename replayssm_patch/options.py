@@ -15,10 +15,17 @@ ENV_STRICT = "VLLM_GDN_REPLAYSSM_STRICT"
 ENV_RING_DTYPE = "VLLM_GDN_REPLAYSSM_RING_DTYPE"
 ENV_16BIT_STATE = "VLLM_GDN_REPLAYSSM_16BIT_STATE"
 ENV_MTP_CUDA = "VLLM_GDN_REPLAYSSM_MTP_CUDA"
+ENV_MIN_BATCH = "VLLM_GDN_REPLAYSSM_MIN_BATCH"
+# testing aids (replayssm_patch.shadow)
+ENV_SHADOW = "VLLM_GDN_REPLAYSSM_SHADOW"
+ENV_POISON = "VLLM_GDN_REPLAYSSM_POISON_UNUSED"
+ALL_ENV_VARS = (ENV_ENABLE, ENV_RING, ENV_STRICT, ENV_RING_DTYPE, ENV_16BIT_STATE, ENV_MTP_CUDA,
+                ENV_MIN_BATCH, ENV_SHADOW, ENV_POISON)
 
 DEFAULT_RING_LEN = 16
 MIN_RING_LEN, MAX_RING_LEN = 1, 64
 RING_DTYPES = ("auto", "activation", "float32")
+MAX_MIN_BATCH = 1 << 16
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -44,6 +51,9 @@ class Options:
     # slower end to end than vLLM 0.33's fused CUDA MTP kernel in most measured configs, so
     # False (the default) keeps vLLM's native speculative path on CUDA. CPU is not affected.
     allow_mtp_cuda: bool = False
+    # Plain decode steps with fewer rows than this decode natively (vLLM's kernel, after the
+    # rows' rings are flushed); "auto" takes the measured table of replayssm_patch.dispatch.
+    min_batch: int | str = "auto"
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -53,6 +63,7 @@ class Options:
             ENV_RING_DTYPE: self.ring_dtype,
             ENV_16BIT_STATE: "1" if self.allow_16bit_state else "0",
             ENV_MTP_CUDA: "1" if self.allow_mtp_cuda else "0",
+            ENV_MIN_BATCH: str(self.min_batch),
         }
 
 
@@ -78,11 +89,42 @@ def check_ring_len(name: str, value) -> int:
     return n
 
 
+def check_min_batch(name: str, value) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(str(value).strip()) if not isinstance(value, (bool, float)) else None
+    except ValueError:
+        n = None
+    if n is None or not (1 <= n <= MAX_MIN_BATCH):
+        raise OptionError(f"{name}={value!r} is not accepted; accepted values: auto (the measured table), "
+                          f"or an integer 1..{MAX_MIN_BATCH} (the smallest decode batch served by the ring)")
+    return n
+
+
 def check_ring_dtype(name: str, value: str) -> str:
     v = str(value).strip().lower()
     if v not in RING_DTYPES:
         raise OptionError(f"{name}={value!r} is not accepted; accepted values: {', '.join(RING_DTYPES)}")
     return v
+
+
+def declare_to_vllm() -> None:
+    """Tell vLLM that our variables are known: it warns about (or, with
+    `fail_on_environ_validation`, refuses) every VLLM_* variable its own table lacks."""
+    try:
+        from vllm import envs
+    except Exception:  # vLLM absent or broken: nothing to declare to
+        return
+    for name in ALL_ENV_VARS:
+        envs.environment_variables.setdefault(name, lambda name=name: os.environ.get(name))
+
+
+def enabled_in_env(environ=None) -> bool:
+    """Whether VLLM_GDN_REPLAYSSM asks for the patch (raises OptionError for a bad value)."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_ENABLE, "")
+    return parse_bool(ENV_ENABLE, value if value.strip() else "0")
 
 
 def from_env(environ=None) -> Options:
@@ -101,4 +143,5 @@ def from_env(environ=None) -> Options:
         ring_dtype=check_ring_dtype(ENV_RING_DTYPE, get(ENV_RING_DTYPE, "auto")),
         allow_16bit_state=parse_bool(ENV_16BIT_STATE, get(ENV_16BIT_STATE, "0")),
         allow_mtp_cuda=parse_bool(ENV_MTP_CUDA, get(ENV_MTP_CUDA, "0")),
+        min_batch=check_min_batch(ENV_MIN_BATCH, get(ENV_MIN_BATCH, "auto")),
     )

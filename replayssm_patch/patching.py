@@ -16,7 +16,11 @@ logger = logging.getLogger("vllm.replayssm_patch")
 
 LAYER_CLASS = "QwenGatedDeltaNetAttention"
 _undo: list = []  # callables that revert one change each, newest last
-_state: dict = {"applied": False, "options": None, "reasons": [], "vllm_version": None, "patched": []}
+_state: dict = {"applied": False, "options": None, "reasons": [], "vllm_version": None, "patched": [],
+                "warnings": []}
+# Set when vLLM loaded its plugins in this process (it does so once, as the first engine is
+# created): the options in force then, for a later patch() to tell the user it came too late.
+_engine_started: dict = {}
 _logged: set = set()
 
 
@@ -99,13 +103,33 @@ def _install(platform: str) -> None:
     _undo.append(model_hooks.remove_all)
 
 
+def note_engine_start() -> None:
+    """Called by the plugin entry point, which vLLM runs when it creates its first engine in a
+    process (in every process it starts, before any model is built)."""
+    _engine_started.setdefault("options", _state["options"])
+
+
+def _too_late_warning(options: opts_mod.Options) -> str | None:
+    if not options.enabled or "options" not in _engine_started or _engine_started["options"] == options:
+        return None
+    before = _engine_started["options"]
+    was = "with the patch off" if before is None or not before.enabled else "with other replayssm options"
+    return ("replayssm_patch: patch() was called after vLLM created an engine in this process "
+            f"({was}): that engine keeps what it was built with (status() lists no ring layers for it); "
+            "call patch() before creating the LLM. Engines created from now on use these options.")
+
+
 def apply(options: opts_mod.Options) -> dict:
     """Patch this process according to `options`; idempotent. Returns `report()`."""
     if _state["applied"]:
         if options == _state["options"]:
             return report()
         revert()
-    _state.update(options=options, reasons=[], patched=[])
+    _state.update(options=options, reasons=[], patched=[], warnings=[])
+    late = _too_late_warning(options)
+    if late:
+        _state["warnings"].append(late)
+        _log_once(logging.WARNING, late)
     if not options.enabled:
         _state["reasons"] = ["disabled"]
         return report()
@@ -137,7 +161,7 @@ def revert() -> None:
 
 def _ring_extra(vllm_config):
     plan, _ = ring_plan.plan_for(vllm_config, _state["options"])
-    return None if plan is None else (plan.shapes, plan.dtypes)
+    return None if plan is None else (plan.shapes, plan.dtypes, plan.gdn_state_shape)
 
 
 def current_plan(vllm_config):
@@ -163,8 +187,9 @@ def current_plan(vllm_config):
             _log_once(logging.INFO, f"replayssm_patch: MTP speculative decoding (T={plan.spec_tokens}) "
                       "goes through the ring on CUDA, one state slot per request "
                       "(opted in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1)")
+        when = "every speculative step" if plan.spec_tokens else f"plain decode steps of >= {plan.min_batch} rows"
         _log_once(logging.INFO, f"replayssm_patch: {arch} GDN layers decode through the ring "
-                  f"(L={plan.ring_len}, ring {plan.ring_dtype}, state {plan.state_dtype}, "
+                  f"(L={plan.ring_len}, ring {plan.ring_dtype}, state {plan.state_dtype}, {when}, "
                   f"+{plan.bytes_per_slot} bytes per layer per cache slot)")
     return plan, reasons
 
@@ -179,8 +204,9 @@ def report() -> dict:
         "vllm_version": _state["vllm_version"],
         "options": None if o is None else {"ring_len": o.ring_len, "strict": o.strict, "ring_dtype": o.ring_dtype,
                                           "allow_16bit_state": o.allow_16bit_state,
-                                          "allow_mtp_cuda": o.allow_mtp_cuda},
+                                          "allow_mtp_cuda": o.allow_mtp_cuda, "min_batch": o.min_batch},
         "reasons": list(_state["reasons"]),
+        "warnings": list(_state["warnings"]),
         "patched": list(_state["patched"]),
         "layers": dict(layer_report),
         "counters": dict(kernels.counters),

@@ -12,6 +12,7 @@ from math import prod
 
 import torch
 
+from .dispatch import min_batch_for
 from .options import Options
 
 SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,7 +39,17 @@ MTP_CUDA_OPT_IN_REASON = (
     "patch(allow_mtp_cuda=True): the ring saves GDN cache memory but measured slower end to end than "
     "vLLM's fused CUDA MTP kernel in most configs)"
 )
-BY_CHOICE_REASONS = frozenset({MTP_CUDA_OPT_IN_REASON})
+CUDA_16BIT_OPT_IN_REASON = (
+    "a bf16/fp16 SSM state on CUDA stays native by default (opt in with VLLM_GDN_REPLAYSSM_16BIT_STATE=1 / "
+    "patch(allow_16bit_state=True): the ring kernel is slower than vLLM's native decode for 16-bit states "
+    "up to batch 64 and 1.01-1.23x from 128 up on the H200; opted in, batches below 128 still decode natively)"
+)
+CPU_PLAIN_DECODE_REASON = (
+    "plain decode on CPU stays native by default: the CPU ring takes vLLM's own CPU kernel step plus the "
+    "replay, so it cannot be faster (set VLLM_GDN_REPLAYSSM_MIN_BATCH / patch(min_batch=N) to serve it "
+    "through the ring from batch N; speculative decoding on CPU goes through the ring either way)"
+)
+BY_CHOICE_REASONS = frozenset({MTP_CUDA_OPT_IN_REASON, CUDA_16BIT_OPT_IN_REASON, CPU_PLAIN_DECODE_REASON})
 
 
 def only_by_choice(reasons) -> bool:
@@ -105,6 +116,7 @@ class RingPlan:
     ring_dtype: torch.dtype  # d and k entries
     state_dtype: torch.dtype  # the checkpoint (vLLM's SSM state)
     spec_tokens: int = 0  # T, vLLM's num_speculative_tokens (0: no speculative decoding)
+    min_batch: int = 1  # plain decode steps with fewer rows decode natively (dispatch)
 
     @property
     def spec_window(self) -> int:
@@ -125,6 +137,11 @@ class RingPlan:
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, self.ring_dtype, self.ring_dtype)
+
+    @property
+    def gdn_state_shape(self) -> tuple[int, int, int]:
+        """vLLM's SSM state of one slot of this layer, [HV, V, K]."""
+        return (self.num_v_heads, self.head_v_dim, self.head_k_dim)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -193,9 +210,16 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
         reasons.append(f"SSM state dtype {state_dtype} (supported: float32, bfloat16, float16)")
     spec = vllm_config.speculative_config
     spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    platform = "cuda" if current_platform.is_cuda() else "cpu" if current_platform.is_cpu() else "other"
+    min_batch = 1
     if spec_tokens > 0:
-        platform = "cuda" if current_platform.is_cuda() else "cpu" if current_platform.is_cpu() else "other"
         reasons += _spec_reasons(vllm_config, spec_tokens, platform, options.allow_mtp_cuda)
+    elif platform in ("cuda", "cpu") and state_dtype in SUPPORTED_STATE_DTYPES:
+        min_batch = min_batch_for(platform, state_dtype, options.min_batch)
+        if min_batch is None:
+            reasons.append(CPU_PLAIN_DECODE_REASON)
+    if getattr(mc, "runner_type", "generate") == "pooling":
+        reasons.append("a pooling model (runner 'pooling') never decodes: the ring would only cost cache memory")
     if vllm_config.lora_config is not None:
         reasons.append("LoRA is enabled (the GDN core may carry LoRA weights)")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
@@ -209,10 +233,7 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
         from .kernels import gpu_kernels_available
 
         if state_dtype in (torch.bfloat16, torch.float16) and not options.allow_16bit_state:
-            reasons.append(f"SSM state {state_dtype}: on CUDA the ring kernel is slower than vLLM's native "
-                           "decode for 16-bit states at small batches (0.8-0.97x up to batch 8-32, 1.0-1.1x "
-                           "above, H200) (set VLLM_GDN_REPLAYSSM_16BIT_STATE=1 "
-                           "or patch(allow_16bit_state=True) to use it anyway)")
+            reasons.append(CUDA_16BIT_OPT_IN_REASON)
 
         ok, why = gpu_kernels_available()
         if not ok:
@@ -223,4 +244,4 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
         return None, reasons
     ring_dtype = ring_dtype_for(options.ring_dtype, state_dtype, mc.dtype)
     L = spec_ring_len(options.ring_len, spec_tokens)
-    return RingPlan(H // tp, HV // tp, K, V, L, ring_dtype, state_dtype, spec_tokens), []
+    return RingPlan(H // tp, HV // tp, K, V, L, ring_dtype, state_dtype, spec_tokens, min_batch), []

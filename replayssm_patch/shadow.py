@@ -25,9 +25,7 @@ import os
 import torch
 
 from . import kernels
-
-ENV_SHADOW = "VLLM_GDN_REPLAYSSM_SHADOW"
-ENV_POISON = "VLLM_GDN_REPLAYSSM_POISON_UNUSED"
+from .options import ENV_POISON, ENV_SHADOW
 POISON_D, POISON_K, POISON_G = 1000.0, 1.0, 0.0
 
 

@@ -220,7 +220,7 @@ def fake_config(**over):
     return cfg
 
 
-ON = options.Options(enabled=True)
+ON = options.Options(enabled=True, min_batch=1)  # on CPU "auto" keeps plain decode native
 
 
 def test_plan_for_a_supported_config():
@@ -231,14 +231,14 @@ def test_plan_for_a_supported_config():
     assert plan.state_dtype == torch.float32
     # d: 32*16*128*4, k: 16*16*128*4, g: 32*16*4 bytes
     assert plan.bytes_per_slot == 32 * 16 * 128 * 4 + 16 * 16 * 128 * 4 + 32 * 16 * 4
-    half, _ = plan_for(fake_config(), options.Options(enabled=True, ring_dtype="activation"))
+    half, _ = plan_for(fake_config(), options.Options(enabled=True, min_batch=1, ring_dtype="activation"))
     assert half.ring_dtype == torch.bfloat16
     bf16_state, _ = plan_for(fake_config(**{"cache_config.mamba_ssm_cache_dtype": "bfloat16"}), ON)
     assert bf16_state.ring_dtype == torch.bfloat16 and bf16_state.state_dtype == torch.bfloat16
     tp2, _ = plan_for(fake_config(**{"parallel_config.tensor_parallel_size": 2}), ON)
     assert tp2.num_v_heads == 16 and tp2.num_k_heads == 8
     f32, _ = plan_for(fake_config(**{"cache_config.mamba_ssm_cache_dtype": "bfloat16"}),
-                      options.Options(enabled=True, ring_dtype="float32"))
+                      options.Options(enabled=True, min_batch=1, ring_dtype="float32"))
     assert f32.ring_dtype == torch.float32
 
 
@@ -272,6 +272,7 @@ def test_plan_for_speculative_decoding():
     ({"cache_config.mamba_cache_mode": "all"}, "mamba_cache_mode"),
     ({"parallel_config.tensor_parallel_size": 3}, "tensor_parallel_size"),
     ({"model_config.hf_text_config": SimpleNamespace()}, "no Gated DeltaNet"),
+    ({"model_config.runner_type": "pooling"}, "pooling model"),
 ])
 def test_each_refusal_reason(override, reason):
     from replayssm_patch.ring_plan import plan_for
@@ -293,8 +294,11 @@ def test_doctor_reports_ring_layers_memory_and_fallback_reasons():
         return p.returncode, p.stdout
 
     rc, out = doctor()
+    assert rc == 1 and "plain decode on CPU stays native by default" in out, out  # the CPU default
+    rc, out = doctor("--min-batch", "1")
     assert rc == 0, out
-    assert "patch would apply: yes" in out and "all 3 decode through the ring (L=16" in out
+    assert "patch would apply: yes" in out
+    assert "all 3 decode through the ring on plain decode steps of >= 1 rows (L=16" in out
     # fp32 state: 3 layers x 4 heads x 128 x 128 x 4 B = 0.75 MiB; fp32 ring: 3 x 24832 x 2 B
     assert "state 0.75 MiB, ring +0.14 MiB" in out
     rc, out = doctor("--num-speculative-tokens", "2", "--ring-len", "8")
@@ -312,8 +316,39 @@ def test_cuda_16bit_state_stays_native_unless_allowed(monkeypatch):
     bf16 = fake_config(**{"cache_config.mamba_ssm_cache_dtype": "bfloat16"})
     plan, reasons = plan_for(bf16, ON)
     assert plan is None and "16-bit states" in reasons[0]
-    assert plan_for(bf16, options.Options(enabled=True, allow_16bit_state=True))[0] is not None
-    assert plan_for(fake_config(), ON)[0] is not None  # fp32 state is served
+    auto = options.Options(enabled=True)
+    opted_in, _ = plan_for(bf16, options.Options(enabled=True, allow_16bit_state=True))
+    assert opted_in is not None and opted_in.min_batch == 128  # dispatch.AUTO_MIN_BATCH
+    fp32, _ = plan_for(fake_config(), auto)
+    assert fp32 is not None and fp32.min_batch == 1  # fp32 state is served at every batch
+
+
+def test_cpu_plain_decode_is_native_by_default_and_served_on_request():
+    """On CPU the ring's step is vLLM's CPU kernel plus the replay: plain decode stays native
+    (no ring memory) unless min_batch is given; speculative decoding goes through the ring."""
+    from vllm.platforms import current_platform
+
+    from replayssm_patch.ring_plan import CPU_PLAIN_DECODE_REASON, only_by_choice, plan_for
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU default")
+    plan, reasons = plan_for(fake_config(), options.Options(enabled=True))
+    assert plan is None and reasons == [CPU_PLAIN_DECODE_REASON] and only_by_choice(reasons)
+    served, _ = plan_for(fake_config(), options.Options(enabled=True, min_batch=4))
+    assert served.min_batch == 4
+    mtp, why = plan_for(_mtp_config(3), options.Options(enabled=True))
+    assert mtp is not None and mtp.spec_tokens == 3, why
+
+
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), (" AUTO ", "auto"), ("1", 1), (64, 64)])
+def test_min_batch_values(value, expected):
+    assert options.check_min_batch("min_batch", value) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x", 1.5, True, 1 << 17])
+def test_min_batch_rejects_bad_values_naming_the_parameter(value):
+    with pytest.raises(options.OptionError, match="min_batch.*accepted values: auto"):
+        options.check_min_batch("min_batch", value)
 
 
 def _mtp_config(T=3, **over):
@@ -460,12 +495,12 @@ def test_strict_mode_and_mtp_cuda_default(fake_cuda_mtp, monkeypatch, caplog):
     with pytest.raises(patching.PatchRefused) as e:
         patching.current_plan(_mtp_config(3, **{"cache_config.mamba_cache_mode": "align"}))
     assert "prefix caching" in str(e.value) and MTP_CUDA_OPT_IN_REASON in str(e.value)
-    # ... and so does a limitation of its own, opted in (16-bit state, not allowed)
+    # ... and so does a limitation of its own, opted in (LoRA)
     strict_in = options.Options(enabled=True, strict=True, allow_mtp_cuda=True)
     monkeypatch.setitem(patching._state, "options", strict_in)
     with pytest.raises(patching.PatchRefused) as e:
-        patching.current_plan(_mtp_config(3, **{"cache_config.mamba_ssm_cache_dtype": "bfloat16"}))
-    assert "16-bit states" in str(e.value) and MTP_CUDA_OPT_IN_REASON not in str(e.value)
+        patching.current_plan(_mtp_config(3, lora_config=object()))
+    assert "LoRA" in str(e.value) and MTP_CUDA_OPT_IN_REASON not in str(e.value)
     assert patching.current_plan(_mtp_config(3))[0] is not None  # strict and opted in: served
     # not strict: the same limitation is a warning
     caplog.clear()

@@ -247,6 +247,34 @@ def case_materialize_reset():
     return res
 
 
+def case_materialize_drops_start_empty_rows():
+    """A row flagged start_empty has a stale ring (its state came without it): dropped (cursor
+    0, checkpoint bit-identical), while the other rows flush as usual."""
+    import torch
+
+    from replayssm_patch._vendored.ring_decode import ring_materialize
+    from replayssm_patch._vendored.ring_reference import ring_materialize_reference
+
+    gen = torch.Generator().manual_seed(6)
+    H, HV, K, V, L, slots = 1, 2, 16, 16, 4, 6
+    state = torch.randn(slots, HV, V, K, generator=gen) * 0.2
+    cursor0 = torch.tensor([0, 3, 2, 4, 1, 2])
+    rd, rk, rg, cur = _make_rings(torch, slots, H, HV, K, V, L, torch.float32, gen, cursor0)
+    mine = [state.clone(), rd, rk, rg, cur]
+    ref = [t.clone() for t in mine]
+    sel = torch.tensor([1, 2, 0, 3, 5], dtype=torch.int32)
+    empty = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int8)  # slots 1 and 5 stale; 0 is null
+    ring_materialize(*mine, sel, empty)
+    ring_materialize_reference(*ref, sel, empty)
+    assert torch.equal(mine[4], ref[4]) and mine[4][[1, 2, 3, 5]].tolist() == [0, 0, 0, 0], mine[4].tolist()
+    for s in (1, 5):
+        assert torch.equal(mine[0][s], state[s]), "a dropped ring changed the checkpoint"
+    assert int(mine[4][4]) == 1 and torch.equal(mine[0][4], state[4]), "an unselected slot changed"
+    r = _rel(mine[0], ref[0])
+    assert r < 1e-6 and not torch.equal(mine[0][2], state[2]), r
+    return {"rel": r}
+
+
 def case_tc_flush_fused_fp16_flags_full_ring():
     import torch
 
@@ -335,6 +363,7 @@ CASES = [
     case_replay_two_phase_fp32_flags_full_ring,
     case_replay_two_phase_bf16_strided_gqa3_no_l2norm,
     case_materialize_reset,
+    case_materialize_drops_start_empty_rows,
     case_tc_flush_fused_fp16_flags_full_ring,
     case_tc_flush_two_phase_fp32_state_start_empty,
     case_tc_flush_refused_where_it_cannot_run,

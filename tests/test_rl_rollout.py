@@ -41,7 +41,7 @@ def test_grpo_rollout_native_vs_patched(tmp_path):
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     p = subprocess.run([sys.executable, EXAMPLE, "--checkpoint", "plain", "--models-dir",
                         str(cache_dir() / "tiny-models"), "--rounds", "2",
-                        "--prompts", "3", "--samples", "8", "--tokens", "32"],
+                        "--prompts", "3", "--samples", "8", "--tokens", "32", "--min-batch", "1"],
                        env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith(("round", "  ", "served"))))

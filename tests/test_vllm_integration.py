@@ -32,16 +32,14 @@ Each arm runs in its own process (replayssm_patch.testing.engine_runner). What i
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 
 from replayssm_patch.testing import cache_dir
 from replayssm_patch.testing.agreement import compare
+from replayssm_patch.testing.engine_runner import run_arm
 from replayssm_patch.testing.tiny_models import DECISIVE
 
 pytestmark = pytest.mark.vllm
@@ -138,27 +136,6 @@ def test_gdn_state_decides_tokens(models, name, monkeypatch):
     print(f"[{name}] zeroed GDN state: {len(changed)}/{len(prompts)} generations change (at tokens {changed})")
     assert zero["calls"] > 0, "the GDN decode path was not reached"
     assert len(changed) >= max(2, len(prompts) // 3), f"{name}: the GDN state decides too few tokens: {changed}"
-
-
-def _env(tmp_path, mp: bool, extra=None):
-    env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0",
-               VLLM_GDN_REPLAYSSM_SHADOW="1", VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
-    env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    env.pop("VLLM_GDN_REPLAYSSM", None)
-    env.update(extra or {})
-    return env
-
-
-def run_arm(tmp_path, name, spec, mp=False, extra_env=None):
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "replayssm_patch.testing.engine_runner", str(path)],
-                          env=_env(tmp_path, mp, extra_env), capture_output=True, text=True, timeout=1200)
-    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1]
-    return json.loads(line[len("RESULT_JSON "):]), proc.stdout + proc.stderr
 
 
 def prompts_mixed(seed, lengths):
@@ -271,7 +248,7 @@ def test_plugin_reaches_engine_core_with_multiprocessing(models, tmp_path):
     engines = [{"name": "mp", "engine": dict(BASE, enable_prefix_caching=False), "prompts": prompts,
                 "max_tokens": [48, 48]}]
     spec = dict(_spec(models["qwen3_5"], True, engines), via="env")
-    on = {"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_RING": str(RING_LEN)}
+    on = {"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_RING": str(RING_LEN), "VLLM_GDN_REPLAYSSM_MIN_BATCH": "1"}
     mp, mp_log = run_arm(tmp_path, "patched_mp", spec, mp=True, extra_env=on)
     inproc, _ = run_arm(tmp_path, "patched_inproc", spec, mp=False, extra_env=on)
     assert "GDN layers decode through the ring" in mp_log
@@ -289,7 +266,7 @@ def test_tensor_parallel_2_on_cpu(models, tmp_path):
     engines = [{"name": "tp2", "engine": eng, "prompts": prompts, "max_tokens": [64] * len(prompts)}]
     bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one NUMA node here: bind each rank by hand
     native, _ = run_arm(tmp_path, "native", _spec(models["qwen3_5"], False, engines), mp=True, extra_env=bind)
-    on = dict(bind, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(RING_LEN))
+    on = dict(bind, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(RING_LEN), VLLM_GDN_REPLAYSSM_MIN_BATCH="1")
     patched, log = run_arm(tmp_path, "patched", dict(_spec(models["qwen3_5"], True, engines), via="env"),
                            mp=True, extra_env=on)
     # per rank: 2 of 4 value heads, 1 of 2 key heads -> fp32 ring 2*16*4 + 2*16*128*4 + 16*128*4 bytes
@@ -298,3 +275,23 @@ def test_tensor_parallel_2_on_cpu(models, tmp_path):
         assert any(f"TP{rank}" in ln and "decode through the ring" in ln and f"+{per_rank} bytes" in ln
                    for ln in log.splitlines()), f"rank {rank} did not report the ring"
     check_pair("qwen3_5 tp2", native["tp2"], patched["tp2"])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_dispatch_crosses_min_batch_in_both_directions(models, tmp_path, arch):
+    """min_batch=3: requests arrive one per step and finish at different times, so the decode
+    batch grows through 3 and shrinks through it again, and prompts cross prefix-cache blocks.
+    Steps below 3 rows decode natively after flushing (or, at a new block, dropping) the rows'
+    rings; the ring resumes from canonical states. Tokens, the shadow check and poisoned rings
+    must not see the switches."""
+    prompts = align_prompts() + prompts_mixed(6, (20, 90))
+    engines = [{"name": "dispatch", "scenario": "staggered", "engine": dict(BASE, enable_prefix_caching=True),
+                "prompts": prompts, "max_tokens": [150, 40, 110, 70, 130, 20]}]
+    model = models[f"{arch}_small_blocks"]
+    native, _ = run_arm(tmp_path, "native", _spec(model, False, engines))
+    patched, _ = run_arm(tmp_path, "patched", dict(_spec(model, True, engines), min_batch=3))
+    c = patched["dispatch"]["ring_counters"]
+    print(f"[{arch} dispatch] {c}")
+    assert c["native_decode_calls"] > 0 and c["decode_calls"] > 0, c
+    assert c["shadow_checks"] == c["decode_calls"] and c["shadow_max_rel_err_x1e6"] < SHADOW_TOL * 1e6, c
+    check_pair(f"{arch} dispatch", native["dispatch"], patched["dispatch"])

@@ -678,10 +678,10 @@ def _replay_main_kernel(
 
 @triton.jit
 def _ring_materialize_kernel(
-    state, ring_d, ring_k, ring_g, cursor, slots, stride_slots,
+    state, ring_d, ring_k, ring_g, cursor, slots, stride_slots, start_empty,
     slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr, HAS_EMPTY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_v = pid % NV
@@ -706,6 +706,8 @@ def _ring_materialize_kernel(
     ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
     n = tl.minimum(ticket & 0xFFFF, L)
     arrivals = ticket >> 16
+    if HAS_EMPTY:  # the row's ring is stale (its state came without it): drop, don't replay
+        n = tl.where(tl.load(start_empty + i_n) != 0, 0, n)
     if n > 0:
         S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
         G_n = tl.load(p_g + n - 1)
@@ -1016,15 +1018,20 @@ def ring_materialize(
     ring_g: torch.Tensor,
     cursor: torch.Tensor,
     slots: torch.Tensor,
+    start_empty: torch.Tensor | None = None,
 ) -> None:
     """Flush `slots` (entries <= 0 ignored): checkpoint = replayed state, cursor = 0.
 
-    A slot whose ring is empty keeps its checkpoint bit-identical. Graph safe, no host sync.
-    The valid entries of `slots` must be distinct.
+    A slot whose ring is empty keeps its checkpoint bit-identical, and so does one whose
+    `start_empty` flag (per entry of `slots`) is set: its ring is dropped, not replayed. Graph
+    safe, no host sync. The valid entries of `slots` must be distinct.
     """
     H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, 0xFFFF)
     if slots.ndim != 1 or slots.device != state.device:
         raise ValueError("slots must be a 1-D tensor on the state's device")
+    if start_empty is not None and (start_empty.shape[0] < slots.shape[0] or start_empty.stride(0) != 1
+                                    or start_empty.device != state.device):
+        raise ValueError("start_empty must be a contiguous 1-D tensor with an entry per slot, on the state's device")
     if slots.numel() == 0:
         return
     BK = triton.next_power_of_2(K)
@@ -1036,8 +1043,9 @@ def ring_materialize(
     grid = (slots.shape[0] * HV * NV,)
     _ring_materialize_kernel[grid](
         state, ring_d, ring_k, ring_g, cursor, slots, slots.stride(0),
+        slots if start_empty is None else start_empty,
         ss, sd, sk, sg,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, NV=NV, HAS_EMPTY=start_empty is not None,
         num_warps=max(1, BV * BK // 4096), num_stages=1,
     )
 

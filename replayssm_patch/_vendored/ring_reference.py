@@ -139,13 +139,18 @@ def ring_decode_reference(
     return out3
 
 
-def ring_materialize_reference(state, ring_d, ring_k, ring_g, cursor, slots):
-    """Flush the given slots (<= 0 ignored): S_c = replayed state, cursor = 0."""
+def ring_materialize_reference(state, ring_d, ring_k, ring_g, cursor, slots, start_empty=None):
+    """Flush the given slots (<= 0 ignored): S_c = replayed state, cursor = 0. A slot whose
+    `start_empty` flag (one per entry of `slots`) is set drops its ring instead: S_c untouched."""
     check_ring(state, ring_d, ring_k, ring_g, cursor)
-    slots = slots[slots > 0].long()
+    valid = slots > 0
+    empty = None if start_empty is None else start_empty[: slots.shape[0]][valid].bool()
+    slots = slots[valid].long()
     if slots.numel() == 0:
         return
     n = cursor[slots].long()
+    if empty is not None:
+        n = torch.where(empty, torch.zeros_like(n), n)
     S, _ = replayed_state(state, ring_d, ring_k, ring_g, slots, n, compute_dtype_for(state))
     busy = (n > 0).nonzero().flatten()  # an empty ring leaves the checkpoint bit-identical
     if busy.numel():

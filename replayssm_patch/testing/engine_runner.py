@@ -3,19 +3,28 @@
 Used by the tests and the demo to compare native and patched engines, each arm in its own
 process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
 
-    {"model": path, "patched": bool, "ring_len": int, "via": "patch" | "env",
+    {"model": path, "patched": bool, "ring_len": int, "min_batch": int | "auto" (default 1),
+     "via": "patch" | "env",
      "engines": [{"name": str, "engine": {LLM kwargs}, "scenario": "batch" | "staggered",
-                  "prompts": [[token ids]...], "max_tokens": [int...] }]}
+                  "prompts": [[token ids] | {"ids": [...], "image_seed": int}...],
+                  "max_tokens": [int...],
+                  "model": path (optional, replaces the spec's),
+                  "teacher_forced": {"save": path, "tokens": [[ids]...] | None,
+                                     "tokens_from": engine name | None} (optional)}]}
 
 "batch" submits every prompt at once; "staggered" adds one request per engine step, so new
-prefills share steps with running decodes (mixed batches).
+prefills share steps with running decodes (mixed batches). "teacher_forced" records every
+position's logprobs (testing.teacher_forced) into `save`, forcing the given tokens, or those an
+earlier engine of this run generated (`tokens_from`), or none (record only).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 
 def _gdn_layers_info(model):
@@ -45,6 +54,18 @@ def _ring_counters_in_worker(model):
     return dict(kernels.counters)
 
 
+def _prompt(p) -> dict:
+    """A prompt of the spec: token ids, or {"ids": [...], "image_seed": int} for a
+    vision-language model (ids holding one image placeholder, a random 64 x 64 RGB image)."""
+    if isinstance(p, list):
+        return {"prompt_token_ids": p}
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(p["image_seed"]).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    return {"prompt_token_ids": p["ids"], "multi_modal_data": {"image": Image.fromarray(pixels)}}
+
+
 def _top2(lp_dict):
     items = sorted(lp_dict.items(), key=lambda kv: -kv[1].logprob)[:2]
     return [[int(t), float(lp.logprob)] for t, lp in items]
@@ -56,7 +77,7 @@ def _collect(outputs):
         c = o.outputs[0]
         chosen = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
         res.append({"tokens": list(c.token_ids), "logprobs": chosen,
-                    "top2": [_top2(d) for d in c.logprobs]})
+                    "top2": [_top2(d) for d in c.logprobs], "prompt_len": len(o.prompt_token_ids)})
     return res
 
 
@@ -131,23 +152,64 @@ def _ring_counters(spec) -> dict:
     return dict(kernels.counters)
 
 
+def arm_env(workdir, mp: bool, extra=None) -> dict:
+    """The environment of one arm's process: in process (mp=False) or vLLM's multiprocessing,
+    with the shadow check and poisoned rings on (testing aids, inert unless the patch is on) and
+    VLLM_GDN_REPLAYSSM removed unless `extra` sets it."""
+    env = dict(os.environ)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0",
+               VLLM_GDN_REPLAYSSM_SHADOW="1", VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
+    env.setdefault("VLLM_CACHE_ROOT", str(Path(workdir) / "vllm-cache"))
+    env.pop("VLLM_GDN_REPLAYSSM", None)
+    env.update(extra or {})
+    return env
+
+
+def run_arm(workdir, name: str, spec: dict, mp: bool = False, extra_env=None) -> tuple[dict, str]:
+    """Run `spec` in a fresh process (`python -m replayssm_patch.testing.engine_runner`); returns
+    its result and its log, which is also kept as `workdir/name.log`. A failed run raises."""
+    path = Path(workdir) / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "replayssm_patch.testing.engine_runner", str(path)],
+                          env=arm_env(workdir, mp, extra_env), capture_output=True, text=True, timeout=1200)
+    log = proc.stdout + proc.stderr
+    (Path(workdir) / f"{name}.log").write_text(log)
+    assert proc.returncode == 0, f"{name} failed:\n{log[-4000:]}"
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1]
+    return json.loads(line[len("RESULT_JSON "):]), log
+
+
 def main(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     if spec["patched"] and spec.get("via", "patch") == "patch":
         import replayssm_patch
 
+        # min_batch 1 unless the spec says otherwise: on CPU "auto" keeps plain decode native
         report = replayssm_patch.patch(ring_len=spec.get("ring_len", 16), strict=spec.get("strict", True),
-                                       ring_dtype=spec.get("ring_dtype", "auto"))
+                                       ring_dtype=spec.get("ring_dtype", "auto"),
+                                       min_batch=spec.get("min_batch", 1))
         assert report["applied"], report
     from vllm import LLM, SamplingParams
 
     results = {}
     for eng in spec["engines"]:
         before = _ring_counters(spec)
-        llm = LLM(model=spec["model"], **eng["engine"])
-        prompts = [{"prompt_token_ids": p} for p in eng["prompts"]]
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=2)
-                  for n in eng["max_tokens"]]
+        forced = eng.get("teacher_forced")
+        kwargs = dict(eng["engine"])
+        if forced is not None:
+            from replayssm_patch.testing import teacher_forced
+
+            kwargs["logits_processors"] = [teacher_forced.TeacherForcing]
+            tokens = forced.get("tokens")
+            if forced.get("tokens_from"):
+                tokens = [r["tokens"] for r in results[forced["tokens_from"]]["requests"]]
+            keys = [f"{eng['name']}/{i}" for i in range(len(eng["prompts"]))]
+        llm = LLM(model=eng.get("model", spec["model"]), **kwargs)
+        prompts = [_prompt(p) for p in eng["prompts"]]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=2,
+                                 extra_args=None if forced is None else
+                                 teacher_forced.sampling_extra(keys[i], None if tokens is None else tokens[i]))
+                  for i, n in enumerate(eng["max_tokens"])]
         if eng.get("scenario", "batch") == "staggered":
             outs = _run_staggered(llm, prompts, params)
         else:
@@ -156,6 +218,10 @@ def main(spec_path: str) -> None:
             for i, o in enumerate(outs):
                 o.request_id = str(i)
         entry = {"requests": _collect(outs), "preemptions": _preemptions(llm)}
+        if forced is not None:
+            import torch
+
+            torch.save([teacher_forced.recorded(k) for k in keys], forced["save"])
         if eng["engine"].get("speculative_config"):
             entry["spec_decode"] = spec_decode_metrics(llm)
             entry["gdn_cache"] = _gdn_cache_bytes(llm)

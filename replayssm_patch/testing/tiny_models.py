@@ -18,6 +18,15 @@ GDN 2 key heads / 4 value heads of ``gdn_head_dim`` (128 or 64; vLLM's CPU GDN k
   ``Qwen3_5MTP`` loads them.
 * ``arch="qwen3_next"``: ``Qwen3NextForCausalLM`` (model_type ``qwen3_next``). vLLM needs at
   least one MoE layer, so the last layer is MoE (4 experts, top 2) and the others are dense.
+* ``arch="qwen3_5_moe"``: ``Qwen3_5MoeForCausalLM``, every layer MoE (4 experts, all active,
+  and a shared expert).
+* ``arch="qwen3_5_vl"`` / ``"qwen3_5_moe_vl"``: ``Qwen3_5ForConditionalGeneration`` /
+  ``Qwen3_5MoeForConditionalGeneration``, the text model above (``text_config``) with a
+  one-block vision tower of 64 channels, patch 16, merge 2, and what vLLM's multimodal processor
+  needs offline: a word-level ``tokenizer.json`` (``t<i>`` is token i; the vision tokens
+  ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>`` are ids
+  1002, 1000, 1003, 1001) and an image processor config (images of at least 64 x 64 pixels:
+  four image tokens for a 64 x 64 image).
 
 Builds are cached: the directory name carries a hash of everything that determines the
 content, and a finished build is marked, so repeated calls reuse it (also across processes;
@@ -41,7 +50,15 @@ from typing import Any
 ARCHS = {
     "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    # vision-language: the text model above inside a minimal vision tower (one block)
+    "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", "qwen3_5"),
+    "qwen3_5_moe_vl": ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
 }
+VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl")
+# the vision-language models' special tokens (inside the 1024-token vocabulary; the tests'
+# random prompts draw token ids below 1000)
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 1000, 1001, 1002, 1003
 FORMAT_VERSION = 1  # bump when the content written for the same arguments changes
 _DONE = ".replayssm-tiny-model.json"
 # Decisive logits (small, bf16-friendly magnitudes: LM head x0.15) with a GDN state that still
@@ -75,6 +92,19 @@ def tiny_model_config(
     if mtp_layers < 0 or (mtp_layers and arch != "qwen3_5"):
         raise ValueError(f"mtp_layers is supported for arch='qwen3_5' only (got {mtp_layers} for {arch!r})")
     architecture, model_type = ARCHS[arch]
+    if arch in VL_ARCHS:
+        text = tiny_model_config(arch.replace("_vl", ""), gdn_head_dim=gdn_head_dim,
+                                 num_hidden_layers=num_hidden_layers)
+        del text["architectures"]
+        cfg = dict(
+            architectures=[architecture], model_type=model_type, text_config=text, tie_word_embeddings=False,
+            vision_config=dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, patch_size=16,
+                               spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                               out_hidden_size=text["hidden_size"], num_position_embeddings=64),
+            image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END)
+        cfg["text_config"].update(overrides)
+        return cfg
     layer_types = [
         "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_hidden_layers)
     ]
@@ -113,6 +143,10 @@ def tiny_model_config(
             norm_topk_prob=True,
             mlp_only_layers=list(range(num_hidden_layers - 1)),  # only the last layer is MoE
         )
+    if arch == "qwen3_5_moe":
+        del cfg["intermediate_size"]
+        cfg.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=128,
+                   shared_expert_intermediate_size=128)
     if mtp_layers:
         cfg["mtp_num_hidden_layers"] = mtp_layers
     cfg.update(overrides)
@@ -207,14 +241,17 @@ def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weig
                       logit_echo: float = 0.0, echo_drafts: bool = False) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs = dict(config)
     hf_cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    hf_cfg.initializer_range = init_std
+    vision = "vision_config" in config
+    for c in (hf_cfg, hf_cfg.get_text_config()):
+        c.initializer_range = init_std
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        model = auto.from_config(hf_cfg, dtype=torch.float32)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         mtp = int(config.get("mtp_num_hidden_layers", 0) or 0)
         if mtp:
@@ -226,7 +263,8 @@ def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weig
         for k in hits:
             state[k] = state[k] * factor
     if logit_echo:
-        emb, head = state["model.embed_tokens.weight"], state["lm_head.weight"]
+        emb_key = next(k for k in state if k.endswith("embed_tokens.weight"))
+        emb, head = state[emb_key], state["lm_head.weight"]
         perm = torch.randperm(head.shape[0], generator=torch.Generator().manual_seed(seed + 1))
         head = head.clone()
         head[perm] += logit_echo * emb / emb.norm(dim=-1, keepdim=True)
@@ -244,6 +282,34 @@ def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weig
     with open(path / "config.json", "w") as f:
         json.dump(dict(config, dtype="bfloat16", torch_dtype="bfloat16"), f, indent=2, sort_keys=True)
         f.write("\n")
+    if vision:
+        _write_processor(path, config["text_config"]["vocab_size"])
+
+
+def _write_processor(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer (`t<i>` is token i) with the vision tokens, and the image processor
+    config vLLM's Qwen3.5 multimodal processor loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = {"<|image_pad|>": IMAGE_TOKEN, "<|video_pad|>": VIDEO_TOKEN,
+               "<|vision_start|>": VISION_START, "<|vision_end|>": VISION_END}
+    named = {i: t for t, i in special.items()} | {0: "<unk>", 1: "<s>", 2: "</s>"}
+    vocab = {named.get(i, f"t{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(special) + ["<unk>", "<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    files = {
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                                  "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 4096},
+        "preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16,
+                                     "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3,
+                                     "image_std": [0.5] * 3,
+                                     "size": {"shortest_edge": 64 * 64, "longest_edge": 256 * 256}},
+        "processor_config.json": {"processor_class": "Qwen3VLProcessor"},
+    }
+    for name, content in files.items():
+        (path / name).write_text(json.dumps(content, indent=2) + "\n")
 
 
 def _mtp_weights(state: dict, config: dict, n_layers: int, std: float) -> dict:

@@ -1,0 +1,43 @@
+"""Ring or native for a plain decode step: the measured table, and the user's override.
+
+The ring pays only where its decode kernel beats vLLM's: with few rows the launch and the
+flush cost more than the state reads they save. So for each plain decode step the metadata
+builder compares the step's decode rows with `min_batch` (fixed per captured CUDA graph,
+whose batch size is fixed): at or above it the rows decode through the ring; below it they
+decode with vLLM's own kernel, after their rings are flushed into the checkpoints (and
+dropped where the row's state came without its ring), so the switch is exact in both
+directions: native always reads canonical states, and the ring resumes from them with empty
+rings. Speculative (MTP) steps always go through the ring: one state slot per request leaves
+vLLM's native MTP path nothing to run on.
+
+`AUTO_MIN_BATCH` is the table `min_batch="auto"` reads, per platform and state width:
+
+* CUDA, fp32 state: 1. The H200 kernel benchmark (vLLM 0.33.0, 2026-12-01,
+  benchmarks/results/kernel_decode_fp32ring.md) measured the ring 1.01-1.51x vLLM's packed
+  decode at every batch from 1 to 512 for both model shapes.
+* CUDA, 16-bit state: 128. Same benchmark with bf16/fp16 states (kernel_decode.md): 0.85-1.00x
+  up to batch 64 for the 9B shape, 1.01-1.23x from 128 up. (16-bit states are served only with
+  the allow_16bit_state opt-in; this is where the opted-in ring starts.)
+* CPU: never (None). There the ring's step is vLLM's own CPU kernel plus the replay in torch,
+  which cannot be faster than the kernel alone (benchmarks/results/cpu_decode_speed.md). Plain
+  decode stays native and the ring is not allocated; an explicit `min_batch` serves it
+  (the CPU tests do, to run the ring through real vLLM).
+"""
+
+from __future__ import annotations
+
+import torch
+
+AUTO_MIN_BATCH = {
+    ("cuda", False): 1,
+    ("cuda", True): 128,
+    ("cpu", False): None,
+    ("cpu", True): None,
+}
+
+
+def min_batch_for(platform: str, state_dtype: torch.dtype, option: int | str) -> int | None:
+    """Smallest plain-decode batch served by the ring (None: never) for `option` ("auto" or an int)."""
+    if option != "auto":
+        return int(option)
+    return AUTO_MIN_BATCH[(platform, state_dtype in (torch.bfloat16, torch.float16))]

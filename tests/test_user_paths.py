@@ -1,0 +1,170 @@
+"""What a new user meets first: the plugin with other variables set, vLLM's environment check,
+patch() called too late, doctor's answers and errors, model classes the patch must size or
+leave alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from replayssm_patch import model_hooks, options
+from replayssm_patch.testing import cache_dir
+
+if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
+    pytest.importorskip("vllm")
+
+
+@pytest.fixture
+def clean_patch_state():
+    from replayssm_patch import patching
+
+    patching.revert()
+    yield patching
+    patching.revert()
+    patching._engine_started.clear()
+    patching.apply(options.Options(enabled=False))
+
+
+def test_plugin_is_inert_when_disabled_whatever_the_other_variables_say(monkeypatch, clean_patch_state):
+    from replayssm_patch import plugin
+
+    monkeypatch.delenv("VLLM_GDN_REPLAYSSM", raising=False)
+    monkeypatch.setenv("VLLM_GDN_REPLAYSSM_RING", "abc")
+    plugin.register()  # no error: the patch is off
+    assert clean_patch_state.report()["applied"] is False
+    monkeypatch.setenv("VLLM_GDN_REPLAYSSM", "1")
+    with pytest.raises(options.OptionError, match="VLLM_GDN_REPLAYSSM_RING='abc'"):
+        plugin.register()
+
+
+def test_vllm_knows_our_variables(monkeypatch, clean_patch_state):
+    """vLLM warns about (or with fail_on_environ_validation refuses) unknown VLLM_* variables."""
+    from vllm.platforms import current_platform
+
+    from replayssm_patch import plugin
+
+    for name in options.ALL_ENV_VARS:
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("VLLM_GDN_REPLAYSSM_RING", "16")
+    monkeypatch.setenv("VLLM_GDN_REPLAYSSM_RING_DTYPE", "auto")
+    plugin.register()
+    current_platform.validate_environ(hard_fail=True)  # raises on an unknown VLLM_* variable
+    monkeypatch.setenv("VLLM_GDN_REPLAYSSM_RNG", "16")  # a typo is still reported
+    with pytest.raises(ValueError, match="VLLM_GDN_REPLAYSSM_RNG"):
+        current_platform.validate_environ(hard_fail=True)
+
+
+def test_patch_after_an_engine_was_created_says_it_is_too_late(clean_patch_state, caplog):
+    import replayssm_patch
+
+    clean_patch_state.note_engine_start()  # what the plugin does when vLLM creates its first engine
+    report = replayssm_patch.patch()
+    assert any("after vLLM created an engine" in w and "with the patch off" in w for w in report["warnings"])
+    assert any("call patch() before creating the LLM" in r.getMessage() for r in caplog.records)
+    assert replayssm_patch.patch()["warnings"] == report["warnings"]  # same options: reported once
+    replayssm_patch.unpatch()
+    assert replayssm_patch.status()["warnings"] == []
+
+
+def test_patch_after_a_real_engine_reports_it_in_process(tmp_path):
+    """The same with a real vLLM engine (CPU build, in process): it stays native, and says why."""
+    from replayssm_patch.testing.tiny_models import build_tiny_model
+
+    model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5"))
+    script = textwrap.dedent(f"""
+        import json
+        if __name__ == "__main__":
+            from vllm import LLM
+            import replayssm_patch
+            llm = LLM({model!r}, load_format="safetensors", enforce_eager=True, max_model_len=256,
+                      skip_tokenizer_init=True, max_num_seqs=2)
+            report = replayssm_patch.patch()
+            print("REPORT " + json.dumps({{"warnings": report["warnings"], "layers": report["layers"]}}))
+    """)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_GDN_REPLAYSSM", None)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout.split("REPORT ", 1)[1])
+    assert report["layers"] == {} and any("after vLLM created an engine" in w for w in report["warnings"])
+
+
+# -- doctor ------------------------------------------------------------------------------------
+def _doctor(*args, env=None):
+    e = dict(os.environ, **(env or {}))
+    p = subprocess.run([sys.executable, "-m", "replayssm_patch", "doctor", *args], capture_output=True,
+                       text=True, timeout=600, env=e)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_doctor_on_a_missing_path_says_so_in_one_line(tmp_path):
+    rc, out, err = _doctor(str(tmp_path / "no-such-model"))
+    assert rc == 2 and "cannot read the configuration" in out
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("value", ["0", "99", "x"])
+def test_doctor_rejects_a_bad_ring_length_as_a_usage_error(value):
+    rc, out, err = _doctor("--ring-len", value)
+    assert rc == 2 and "--ring-len" in err and "Traceback" not in out + err
+
+
+def test_doctor_on_a_model_without_gdn_layers(tmp_path):
+    """A Llama config: no GDN layers, native, said plainly."""
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1024, hidden_size=256,
+               intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, out, _ = _doctor(str(tmp_path))
+    assert rc == 1 and "0 GDN layers" in out and "no Gated DeltaNet" in out, out
+
+
+@pytest.mark.parametrize("arch,builds", [
+    ("Qwen3_5ForCausalLM", True), ("Qwen3_5ForConditionalGeneration", True),
+    ("Qwen3_5MoeForConditionalGeneration", True), ("Qwen3NextForCausalLM", True),
+    ("OlmoHybridForCausalLM", False), ("KimiLinearForCausalLM", False), ("LlamaForCausalLM", False),
+])
+def test_layer_class_check_follows_what_the_model_builds(arch, builds, monkeypatch):
+    """doctor asks whether the model builds vLLM's Qwen GDN layer class, which the patch replaces."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    cls = ModelRegistry._try_load_model_cls(arch)
+    if cls is None:
+        pytest.skip(f"{arch} is not in this vLLM build")
+    monkeypatch.setattr(model_hooks, "_model_class", lambda cfg: cls)
+    ok, reason = model_hooks.builds_qwen_gdn_layers(None)
+    assert ok is builds, reason
+    assert builds or "QwenGatedDeltaNetAttention" in reason
+
+
+# -- page-size hooks -----------------------------------------------------------------------------
+def test_page_hook_finds_the_gdn_spec_by_its_shapes_not_its_mamba_type(monkeypatch):
+    """Qwen4Exp builds its GDN MambaSpec without a mamba_type (vLLM's default MAMBA2) beside
+    another spec: the ring is added to the spec holding the GDN state, and only to it."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    gdn = MambaSpec(block_size=-1, shapes=((3, 768), (4, 128, 128)), dtypes=(torch.bfloat16, torch.float32))
+    other = MambaSpec(block_size=-1, shapes=((3, 64),), dtypes=(torch.bfloat16,))
+
+    class Qwen4ExpLike:
+        @classmethod
+        def get_mamba_specs_from_config(cls, vllm_config):
+            return (gdn, other)
+
+    monkeypatch.setattr(model_hooks, "_model_class", lambda cfg: Qwen4ExpLike)
+    ring = (((4, 16), (4, 16, 128), (2, 16, 128)), (torch.float32,) * 3, (4, 128, 128))
+    try:
+        assert model_hooks.ensure(SimpleNamespace(), lambda cfg: ring) == (True, "")
+        specs = Qwen4ExpLike.get_mamba_specs_from_config(SimpleNamespace())
+    finally:
+        model_hooks.remove_all()
+    assert specs[0].shapes == gdn.shapes + ring[0] and specs[0].dtypes == gdn.dtypes + ring[1]
+    assert specs[1] == other
+    assert Qwen4ExpLike.get_mamba_specs_from_config(SimpleNamespace()) == (gdn, other)  # removed again
