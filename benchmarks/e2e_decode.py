@@ -1,14 +1,22 @@
 """End-to-end decode throughput of real vLLM, native vs patched, on a GPU.
 
-A Qwen3.5-9B-shaped dense model (hidden 4096, 32 layers of which 24 GDN with 16 key / 32
-value heads of 128; dummy weights, config written locally), fixed prompt and output lengths,
-`ignore_eos`. Each arm (native, patched) runs in its own process and measures every batch size
-in one engine. Per batch size it times a generate() with 1 output token and one with
-`--out-len` tokens; the difference is the decode time of `out_len - 1` steps, so prefill and
-time to first token are excluded.
+A Qwen3.5-shaped dense model (`--shape 9b`: hidden 4096, 32 layers of which 24 GDN with 16 key
+/ 32 value heads of 128; `--shape 4b`: hidden 2560, intermediate 9216, the same 24 GDN layers,
+attention 16 query / 4 KV heads of 256, where GDN's share of the step is larger; dummy
+weights, config written locally), fixed prompt and output lengths, `ignore_eos`. Each arm
+(native, patched) runs in its own process and measures every batch size in one engine. Per
+batch size it times a generate() with 1 output token and one with `--out-len` tokens; the
+difference is the decode time of `out_len - 1` steps, so prefill and time to first token are
+excluded.
 
-    python benchmarks/e2e_decode.py --out e2e.json [--batches 1,16,64,256] [--order AB]
-        [--tp N] [--gdn-heads HK,HV] [--mtp T]
+    python benchmarks/e2e_decode.py --out e2e.json [--batches 1,16,64,128,256,512] [--order ABBAAB]
+        [--shape 9b|4b] [--tp N] [--gdn-heads HK,HV] [--mtp T] [--profile-batches 64,256]
+    python benchmarks/e2e_decode.py --merge a.json b.json --out e2e.json --plot e2e.png   # no GPU
+
+The same arm varies by up to 22% between runs, so one pair decides nothing: `--order` runs the
+arms interleaved, and consecutive runs form pairs (AB, BA, ...); each pair gives one
+patched/native ratio per batch size, and the summary reports their median with min and max
+(`--order ABBAAB`, the default: 3 pairs).
 
 `--tp N` runs both arms with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
 (16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
@@ -17,10 +25,11 @@ on CUDA stays native by default; prefix caching off in both; with dummy weights 
 accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
 counters are recorded per arm).
 
-`--profile-batch B` adds, after batch B's timings, a torch-profiler trace of 8 decode steps of
-that batch in each arm (vLLM's `profiler_config`, steps 9-16 of a 32-token generate, so past
-the prefill) and reports per arm the GPU time per kernel name, the GPU-busy time and the span
-of those steps: where a patched step's extra time goes (kernels, or idle GPU waiting on the host).
+`--profile-batches B,...` adds, after each listed batch's timings, a torch-profiler trace of 8
+decode steps of that batch in each run (vLLM's `profiler_config`, steps 9-16 of a 32-token
+generate, so past the prefill) and reports per run the GPU time per kernel name, the GPU-busy
+time and the span of those steps: where a patched step's extra time goes (kernels, or idle GPU
+waiting on the host). The table gives both per step beside the wall time.
 
 The Amdahl bound per batch size is computed from the native step time and, when given
 (`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
@@ -51,6 +60,8 @@ CONFIG_9B = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
 }
+CONFIG_4B = dict(CONFIG_9B, hidden_size=2560, intermediate_size=9216)  # 16 q / 4 KV heads of 256 as 9B
+SHAPES = {"9b": CONFIG_9B, "4b": CONFIG_4B}
 GDN_LAYERS = 24
 
 
@@ -62,7 +73,7 @@ def model_config(args) -> dict:
     except (ValueError, AssertionError):
         raise SystemExit(f"--gdn-heads: HK,HV with HV a multiple of HK and HK a multiple of --tp "
                          f"(got {args.gdn_heads!r}, --tp {args.tp})")
-    cfg = dict(CONFIG_9B, linear_num_key_heads=hk, linear_num_value_heads=hv)
+    cfg = dict(SHAPES[args.shape], linear_num_key_heads=hk, linear_num_value_heads=hv)
     if args.mtp:  # one MTP layer (dummy weights: drafts are rarely accepted, each step costs 1+T tokens)
         cfg["mtp_num_hidden_layers"] = 1
     return cfg
@@ -85,7 +96,8 @@ def arm(args) -> None:
     if args.mtp:  # the ring plan serves MTP without prefix caching only: both arms run without it
         spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
     prof = {}
-    if args.profile_batch:  # traces land in profile_dir (absolute), one file per worker
+    profiled = {int(b) for b in args.profile_batches.split(",") if b}
+    if profiled:  # traces land in profile_dir (absolute), one file per worker
         prof = dict(profiler_config={"profiler": "torch", "torch_profiler_dir": os.path.abspath(args.profile_dir),
                                      "torch_profiler_with_stack": False, "ignore_frontend": True})
     t0 = time.perf_counter()
@@ -120,8 +132,8 @@ def arm(args) -> None:
                              "per_request_tok_s": steps / decode, "aggregate_tok_s": b * steps / decode}
         print(f"[{'patched' if args.patched else 'native'}] batch {b}: step {1e3 * decode / steps:.3f} ms, "
               f"{b * steps / decode:.0f} tok/s aggregate", flush=True)
-        if b == args.profile_batch:
-            res["profile"] = profile_steps(llm, prompts, args.profile_dir)
+        if b in profiled:
+            res["batches"][b]["profile"] = profile_steps(llm, prompts, args.profile_dir)
     if args.mtp:  # vLLM's speculative-decoding counters over the whole arm (all batch sizes)
         from replayssm_patch.testing.engine_runner import spec_decode_metrics
 
@@ -201,13 +213,15 @@ def kernel_times(path, shape_key, state):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--batches", default="1,16,64,128,256,512")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="9b")
     ap.add_argument("--in-len", type=int, default=128)
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ring-len", type=int, default=16)
     ap.add_argument("--state-dtype", default="float32")
-    ap.add_argument("--order", default="AB", help="arm order, A = native, B = patched (e.g. ABBA)")
+    ap.add_argument("--order", default="ABBAAB",
+                    help="arm order, A = native, B = patched; consecutive runs pair up (AB, BA, ...)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--compile-mode", type=int, default=3, help="vLLM CompilationMode (3 = VLLM_COMPILE, 0 = none)")
     ap.add_argument("--kernel-json", default=None)
@@ -219,16 +233,18 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=0, metavar="T",
                     help="MTP speculative decoding with T drafts (0: off); adds one MTP layer to the config, "
                          "prefix caching off in both arms; step_ms is then the time per output token")
-    ap.add_argument("--profile-batch", type=int, default=0, metavar="B",
-                    help="also trace 8 decode steps of batch B (one of --batches) per arm with the torch profiler")
+    ap.add_argument("--profile-batches", default="", metavar="B,...",
+                    help="also trace 8 decode steps of these batches (among --batches) per run with the torch profiler")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="write a plot of patched/native against batch size (needs matplotlib)")
     ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="*", default=None, metavar="JSON",
                     help="no GPU: join the runs of these result files into --out")
     args = ap.parse_args()
-    if args.profile_batch and str(args.profile_batch) not in args.batches.split(","):
-        raise SystemExit(f"--profile-batch must be one of --batches ({args.batches}), got {args.profile_batch}")
+    if not set(filter(None, args.profile_batches.split(","))) <= set(args.batches.split(",")):
+        raise SystemExit(f"--profile-batches must be among --batches ({args.batches}), got {args.profile_batches}")
     if args.merge:
         return merge(args)
     if args.arm:
@@ -249,7 +265,7 @@ def main() -> None:
                "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
                "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode),
                "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp),
-               "--profile-batch", str(args.profile_batch),
+               "--profile-batches", args.profile_batches, "--shape", args.shape,
                "--profile-dir", os.path.join(workdir, f"profile_{len(runs)}_{name}")]
         print(f"== arm {name}", flush=True)
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -272,38 +288,85 @@ def main() -> None:
     finish(args, runs)
 
 
+def pairs_of(runs) -> list[tuple[dict, dict]]:
+    """(native, patched) per consecutive pair of runs: AB, BA, ... in the order they ran."""
+    if len(runs) % 2:
+        raise SystemExit(f"{len(runs)} runs: the arms must pair up (--order AB, ABBA, ABBAAB, ...)")
+    out = []
+    for a, b in zip(runs[0::2], runs[1::2]):
+        if {a["arm"], b["arm"]} != {"native", "patched"}:
+            raise SystemExit("--order must pair a native with a patched run (AB or BA), pair after pair")
+        out.append((a, b) if a["arm"] == "native" else (b, a))
+    return out
+
+
+def _per_step(profile, steps):
+    if not profile or "gpu_busy_us" not in profile:
+        return None
+    return {"gpu_busy_ms": profile["gpu_busy_us"] / 1e3 / steps, "span_ms": profile["gpu_span_us"] / 1e3 / steps}
+
+
+def config_name(args) -> str:
+    if args.compile_mode == 3 and args.cudagraph_mode == "FULL_AND_PIECEWISE":
+        return "default"  # what vLLM gives a user: torch.compile + FULL_AND_PIECEWISE graphs
+    if args.compile_mode == 0 and args.cudagraph_mode == "FULL_DECODE_ONLY":
+        return "full_decode_only_no_compile"
+    return f"compile{args.compile_mode}_{args.cudagraph_mode}"
+
+
 def finish(args, runs):
-    """Per-batch table (arms averaged over their runs), summary, and the JSON file."""
+    """Per batch: the ratio of each native/patched pair, their median, min and max, the Amdahl
+    bound, the profiler's GPU-busy and span per step beside the wall time; the summary; JSON."""
+    import statistics
+
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.state_dtype, args.state_dtype)
     kt = kernel_times(args.kernel_json, args.kernel_shape, short)
+    pairs = pairs_of(runs)
     table = {}
     for b in [int(x) for x in args.batches.split(",")]:
-        nat = [r["batches"][str(b)] for r in runs if r["arm"] == "native"]
-        pat = [r["batches"][str(b)] for r in runs if r["arm"] == "patched"]
-        agg_n = sum(x["aggregate_tok_s"] for x in nat) / len(nat)
-        agg_p = sum(x["aggregate_tok_s"] for x in pat) / len(pat)
-        step_n = sum(x["step_ms"] for x in nat) / len(nat)
-        row = {"native_aggregate_tok_s": agg_n, "patched_aggregate_tok_s": agg_p, "speedup": agg_p / agg_n,
-               "native_step_ms": step_n, "patched_step_ms": sum(x["step_ms"] for x in pat) / len(pat),
-               "native_per_request_tok_s": sum(x["per_request_tok_s"] for x in nat) / len(nat),
-               "patched_per_request_tok_s": sum(x["per_request_tok_s"] for x in pat) / len(pat),
-               "native_ttft_proxy_s": nat[0]["t_first_token_s"], "patched_ttft_proxy_s": pat[0]["t_first_token_s"]}
+        key = str(b)
+        ratios = [p["batches"][key]["aggregate_tok_s"] / n["batches"][key]["aggregate_tok_s"] for n, p in pairs]
+        step_n = statistics.median(n["batches"][key]["step_ms"] for n, _ in pairs)
+        step_p = statistics.median(p["batches"][key]["step_ms"] for _, p in pairs)
+        speedup = statistics.median(ratios)
+        row = {"pair_speedups": [round(r, 4) for r in ratios], "speedup": speedup, "speedup_min": min(ratios),
+               "speedup_max": max(ratios), "native_step_ms": step_n, "patched_step_ms": step_p,
+               "native_aggregate_tok_s": statistics.median(n["batches"][key]["aggregate_tok_s"] for n, _ in pairs),
+               "patched_aggregate_tok_s": statistics.median(p["batches"][key]["aggregate_tok_s"] for _, p in pairs)}
+        steps = PROFILE_STEPS
+        prof = [(_per_step(n["batches"][key].get("profile"), steps), _per_step(p["batches"][key].get("profile"), steps))
+                for n, p in pairs]
+        prof = [(x, y) for x, y in prof if x and y]
+        if prof:  # GPU idle inside the step: span - busy; the target is idle_p <= idle_n + 2% of native's step
+            n_busy, n_span = statistics.median(x["gpu_busy_ms"] for x, _ in prof), statistics.median(x["span_ms"] for x, _ in prof)
+            p_busy, p_span = statistics.median(y["gpu_busy_ms"] for _, y in prof), statistics.median(y["span_ms"] for _, y in prof)
+            row.update(native_gpu_busy_ms=n_busy, native_span_ms=n_span, patched_gpu_busy_ms=p_busy, patched_span_ms=p_span,
+                       idle_excess_of_native_step=((p_span - p_busy) - (n_span - n_busy)) / n_span)
         if b in kt:
             kn, ko = kt[b]
-            saved_ms = GDN_LAYERS * (kn - ko) / 1e3
+            bound = step_n / (step_n - GDN_LAYERS * (kn - ko) / 1e3)
             row.update(kernel_native_us=kn, kernel_ours_us=ko, gdn_share_of_native_step=GDN_LAYERS * kn / 1e3 / step_n,
-                       amdahl_bound=step_n / (step_n - saved_ms), fraction_of_bound=(agg_p / agg_n) / (step_n / (step_n - saved_ms)))
+                       amdahl_bound=bound, fraction_of_bound=speedup / bound)
         table[b] = row
-        print(f"batch {b}: native {agg_n:.0f} tok/s, patched {agg_p:.0f} tok/s, x{agg_p / agg_n:.3f}"
-              + (f", Amdahl bound x{row['amdahl_bound']:.3f}" if "amdahl_bound" in row else ""), flush=True)
+        print(f"batch {b}: patched/native x{speedup:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
+              f"{len(ratios)} pairs)" + (f", Amdahl bound x{row['amdahl_bound']:.3f}" if "amdahl_bound" in row else ""),
+              flush=True)
+    summary = {"config": config_name(args), "shape": args.shape, "pairs": len(pairs)}
+    tag = f"t{args.mtp}_" if args.mtp else ""
+    for b, row in table.items():
+        summary[f"speedup_{tag}b{b}"] = round(row["speedup"], 4)
+        if "fraction_of_bound" in row:
+            summary[f"bound_fraction_{tag}b{b}"] = round(row["fraction_of_bound"], 4)
+        if "idle_excess_of_native_step" in row:
+            summary[f"idle_excess_{tag}b{b}"] = round(row["idle_excess_of_native_step"], 4)
     config = model_config(args)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in ("arm", "model")},
-              "model": "Qwen3.5-9B-shaped dense (dummy weights): " + json.dumps({k: config[k] for k in (
-                  "hidden_size", "num_hidden_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim")}),
+              "model": f"Qwen3.5-{args.shape}-shaped dense (dummy weights): " + json.dumps({k: config[k] for k in (
+                  "hidden_size", "intermediate_size", "num_hidden_layers", "linear_num_key_heads",
+                  "linear_num_value_heads", "linear_key_head_dim")}),
               "order": "".join("A" if r["arm"] == "native" else "B" for r in runs),
-              "runs": runs, "table": table,
-              "summary": {f"speedup_b{b}": round(table[b]["speedup"], 4) for b in table}}
+              "runs": runs, "table": table, "summary": summary}
     try:
         import torch
         import vllm
@@ -314,7 +377,39 @@ def finish(args, runs):
         result["versions"] = {"error": repr(e)}
     if args.out:
         json.dump(result, open(args.out, "w"), indent=1)
+    if args.plot:
+        plot(result, args.plot)
     return result
+
+
+def plot(result, path):
+    """patched/native against batch size: the median of the pairs, their min-max band, the
+    Amdahl bound where the kernel benchmark gave one, and 1.0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted((int(b), r) for b, r in result["table"].items())
+    xs = [b for b, _ in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.fill_between(xs, [r["speedup_min"] for _, r in rows], [r["speedup_max"] for _, r in rows], alpha=0.25,
+                    label="min-max over pairs")
+    ax.plot(xs, [r["speedup"] for _, r in rows], "o-", label="patched / native (median of pairs)")
+    bounded = [(b, r["amdahl_bound"]) for b, r in rows if "amdahl_bound" in r]
+    if bounded:
+        ax.plot(*zip(*bounded), "k--", label="Amdahl bound (kernel benchmark)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("aggregate decode tok/s, patched / native")
+    s = result["summary"]
+    ax.set_title(f"{s['shape']} shape, config {s['config']}, {s['pairs']} pairs ({result.get('gpu', '?')})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def merge(args):
@@ -325,14 +420,19 @@ def merge(args):
         first = first or data
         runs += data["runs"]
     for k, v in first["config"].items():
-        if k not in ("out", "merge", "order", "kernel_json"):
+        if k not in ("out", "merge", "order", "kernel_json", "plot"):
             setattr(args, k, v)
+    out, png = args.out, args.plot
+    args.out = args.plot = None
     res = finish(args, runs)
     res["merged_from"] = [{"path": p, "command": json.load(open(p))["command"], "date": json.load(open(p))["date"]}
                           for p in args.merge]
     res["gpu"], res["versions"] = first.get("gpu"), first.get("versions")
-    if args.out:
-        json.dump(res, open(args.out, "w"), indent=1)
+    if out:
+        json.dump(res, open(out, "w"), indent=1)
+    if png:
+        plot(res, png)
+    return res
 
 
 if __name__ == "__main__":

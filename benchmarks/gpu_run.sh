@@ -39,7 +39,7 @@
 #   bash benchmarks/gpu_run.sh ktest                        # tests/gpu, errors to $OUT
 #   bash benchmarks/gpu_run.sh kbench [kernel_decode.py args]
 #   bash benchmarks/gpu_run.sh mtpprof   # (needs install) MTP T=3 batch 256, AB, with
-#     --profile-batch 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
+#     --profile-batches 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -124,6 +124,6 @@ case "${1:?step}" in
     shift; python3 benchmarks/kernel_decode.py --vllm-root /tmp/vl --out-dir "$OUT" "$@" 2>&1 | tail -80 ;;
   mtpprof)
     python3 benchmarks/e2e_decode.py --mtp 3 --batches 256 --order AB --repeats 1 --cudagraph-mode FULL_DECODE_ONLY \
-      --compile-mode 0 --profile-batch 256 --out "$OUT/mtp3_profile.json" 2>&1 | tail -20 ;;
+      --compile-mode 0 --profile-batches 256 --out "$OUT/mtp3_profile.json" 2>&1 | tail -20 ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

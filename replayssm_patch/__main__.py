@@ -64,13 +64,13 @@ def doctor(argv: list[str]) -> int:
         )
     except opts_mod.OptionError as e:
         ap.error(str(e))  # a usage error: exit status 2
-    from . import patching, versions
+    from . import decisions, patching, versions
 
     version = versions.installed_vllm_version()
     print(f"vLLM: {version or 'not installed'} (supported {versions.SUPPORTED_RANGE})")
     if version is None:
         return 1
-    platform = patching._platform()
+    platform = decisions.platform()
     print(f"platform: {platform}")
     print(f"enabled by environment: {env_opts.enabled} (VLLM_GDN_REPLAYSSM)")
     reasons = patching._refusal_reasons(platform)

@@ -24,7 +24,7 @@ slot (`ring_commit_slots` / `ring_commit_accepted`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from vllm.v1.attention.backends.gdn_attn import (
@@ -32,6 +32,9 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadata,
     GDNAttentionMetadataBuilder,
 )
+
+from . import versions
+from .kernels import counters
 
 
 @dataclass
@@ -56,6 +59,16 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         # every layer of a group has the same plan (it is taken from the config alone)
         layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
         self.min_batch = layer.ring_plan.min_batch
+        # vLLM (>= 0.31, V2 runner, CUDA) builds the metadata of one GDN KV-cache group per step
+        # and only re-gathers the state indices for the others (update_block_table), but turns
+        # that off for any subclass (`type(self) is GDNAttentionMetadataBuilder`): every group
+        # would rebuild everything, every step, on the host. The ring's fields are batch-level
+        # flags plus per-group prefill slot lists, which update_block_table recomputes. Not with
+        # speculative decoding: its commit slots need the step's accepted counts.
+        if (not self.num_spec and versions.capabilities().gdn_metadata_reuse
+                and getattr(vllm_config, "use_v2_model_runner", False) and torch.device(device).type == "cuda"):
+            self.supports_update_block_table = True
+            self.mamba_aligned_state_indices = None  # what vLLM's V2 runner fills for align mode
 
     def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
               num_decode_draft_tokens_cpu=None, fast_build=False):
@@ -63,12 +76,21 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                            num_decode_draft_tokens_cpu, fast_build)
         extra = self._ring_fields(common_attn_metadata, md)
         extra["ring_decode"] = bool(self.num_spec) or md.num_decodes >= self.min_batch
+        if md.num_decodes:
+            self._count_switch(extra["ring_decode"])
         if self.num_spec:
             extra.update(self._spec_fields(common_attn_metadata, md, num_accepted_tokens,
                                            num_decode_draft_tokens_cpu))
         elif md.num_spec_decodes:  # cannot happen: spec rows exist only with a speculative config
             raise RuntimeError("GDN ring builder: speculative rows without a speculative config")
         return ReplayGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, **extra)
+
+    def _count_switch(self, ring_decode: bool) -> None:
+        """Count the dispatch's switches between decode steps (status() counters)."""
+        last = getattr(self, "_last_ring_decode", None)
+        if last is not None and last != ring_decode:
+            counters["dispatch_to_ring" if ring_decode else "dispatch_to_native"] += 1
+        self._last_ring_decode = ring_decode
 
     def _spec_fields(self, m, md, num_accepted_tokens, draft_tokens_cpu) -> dict:
         out = {}
@@ -112,25 +134,38 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     def _ring_fields(self, m, md) -> dict:
         rows = m.num_reqs
         qsl = m.query_start_loc[: rows + 1]
-        qlen = qsl[1:] - qsl[:-1]
-        computed = m.seq_lens[:rows] - qlen
+        seq = m.seq_lens[:rows]  # tokens computed after this step
+        computed = seq - (qsl[1:] - qsl[:-1])  # ... and before it
         force = self.ring_force_flush[:rows]
         empty = self.ring_start_empty[:rows]
         if self.align:
-            force.copy_(torch.remainder(computed + qlen, self.block_size) == 0)
+            force.copy_(torch.remainder(seq, self.block_size) == 0)
             empty.copy_(torch.remainder(computed, self.block_size) == 0)
         else:
             force.zero_()
             empty.copy_(computed == 0)
         out = {"ring_force_flush": self.ring_force_flush, "ring_start_empty": self.ring_start_empty}
-        if md.num_prefills > 0 and md.num_spec_decodes == 0:
-            nd = md.num_decodes
-            slots = md.non_spec_state_indices_tensor[nd : nd + md.num_prefills]
-            has_state = md.has_initial_state[nd : nd + md.num_prefills]
-            carries_ring = has_state & (empty[nd : nd + md.num_prefills] == 0)
-            out["ring_prefill_flush_slots"] = torch.where(carries_ring, slots, torch.zeros_like(slots))
-            out["ring_prefill_slots"] = slots
+        if md.num_spec_decodes == 0:
+            out.update(self._prefill_slots(md, empty))
         return out
+
+    @staticmethod
+    def _prefill_slots(md, empty) -> dict:
+        """This group's prefill slots (non-speculative batches): all of them, and those whose
+        ring must be flushed before the chunk kernel reads their checkpoint."""
+        if md.num_prefills == 0:
+            return {"ring_prefill_flush_slots": None, "ring_prefill_slots": None}
+        nd, n_p = md.num_decodes, md.num_prefills
+        slots = md.non_spec_state_indices_tensor[nd : nd + n_p]
+        carries_ring = md.has_initial_state[nd : nd + n_p] & (empty[nd : nd + n_p] == 0)
+        return {"ring_prefill_flush_slots": torch.where(carries_ring, slots, torch.zeros_like(slots)),
+                "ring_prefill_slots": slots}
+
+    def update_block_table(self, metadata, blk_table, slot_mapping):
+        """Another KV-cache group's metadata from this step's first (vLLM's V2 runner): vLLM
+        re-gathers the state indices; the ring flags are batch-level and stay shared."""
+        md = super().update_block_table(metadata, blk_table, slot_mapping)
+        return replace(md, **self._prefill_slots(md, md.ring_start_empty))
 
 
 class ReplayGDNAttentionBackend(GDNAttentionBackend):

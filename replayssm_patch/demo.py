@@ -162,7 +162,9 @@ def vllm_main(argv: list[str] | None = None) -> int:
         engines = [{"name": "demo", "engine": engine, "prompts": prompts, "max_tokens": [a.tokens] * a.requests}]
         if arm == "native":  # the same engine with another batch size: vLLM's own batch variance
             engines.append(dict(engines[0], name="control", engine=dict(engine, max_num_seqs=1)))
-        spec = {"model": model, "patched": arm == "patched", "ring_len": a.ring, "engines": engines}
+        # min_batch=1: plain decode through the ring at every batch size (on CPU the default,
+        # "auto", keeps plain decode native: the CPU ring is vLLM's kernel plus the replay)
+        spec = {"model": model, "patched": arm == "patched", "ring_len": a.ring, "min_batch": 1, "engines": engines}
         fd, path = tempfile.mkstemp(suffix=".json", dir=a.workdir)
         with os.fdopen(fd, "w") as f:
             json.dump(spec, f)

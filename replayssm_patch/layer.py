@@ -16,7 +16,7 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedD
 
 from . import intercept, shadow
 from .backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata
-from .layer_registry import layer_report
+from .decisions import current_plan, layer_report
 from .ring_plan import RingPlan
 
 
@@ -32,8 +32,6 @@ class RingBuffers:
 class ReplayQwenGDN(QwenGatedDeltaNetAttention):
     def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs):
         super().__init__(config, vllm_config, prefix, *args, **kwargs)
-        from .patching import current_plan
-
         self.ring_plan: RingPlan | None
         self.ring_plan, reasons = current_plan(vllm_config)
         self.replay_ring: RingBuffers | None = None

@@ -17,18 +17,11 @@ import inspect
 import re
 import sys
 
+from . import versions
+
 _MARK = "_replayssm_page_hook"
 # (class, attribute name, previous value in the class __dict__ or None)
 _installed: list[tuple[type, str, object]] = []
-
-
-def _platform_prefers_specs() -> bool:
-    from vllm.platforms.interface import Platform
-
-    try:
-        return "get_mamba_specs_from_config" in inspect.getsource(Platform._align_hybrid_block_size)
-    except (OSError, TypeError, AttributeError):
-        return False
 
 
 def _model_class(vllm_config):
@@ -109,7 +102,7 @@ def ensure(vllm_config, ring_shapes_for) -> tuple[bool, str]:
                     if _is_gdn_state(s, extra[2]) else s for s in specs]
 
         _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config))
-    elif _platform_prefers_specs():
+    elif versions.capabilities().platform_prefers_specs:
         def get_mamba_specs_from_config(klass, vllm_config):
             shapes = tuple(klass.get_mamba_state_shape_from_config(vllm_config))
             dtypes = tuple(klass.get_mamba_state_dtype_from_config(vllm_config))

@@ -12,6 +12,7 @@ from math import prod
 
 import torch
 
+from . import versions
 from .dispatch import min_batch_for
 from .options import Options
 
@@ -27,8 +28,6 @@ def spec_ring_len(ring_len: int, spec_tokens: int) -> int:
         return ring_len
     return min(MAX_SPEC_RING_LEN, max(ring_len, 4 * (spec_tokens + 1)))
 
-
-MTP_CUDA_MIN_VLLM = "0.32"  # the CUDA MTP routing is written for vLLM 0.32/0.33
 
 # MTP on CUDA is opt-in: the ring saves GDN cache memory (one state slot per request instead of
 # 1+T) but measured slower end to end than vLLM 0.33's fused CUDA MTP kernel in most configs
@@ -58,15 +57,6 @@ def only_by_choice(reasons) -> bool:
     return bool(reasons) and all(r in BY_CHOICE_REASONS for r in reasons)
 
 
-def _vllm_before(version: str) -> bool:
-    from packaging.version import Version
-
-    from .versions import installed_vllm_version, parse_version
-
-    v = parse_version(installed_vllm_version() or "")
-    return v is not None and Version(v.base_version) < Version(version)
-
-
 def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: bool = False) -> list[str]:
     """Why this speculative config cannot use the ring (empty: it can). Without the opt-in
     (`allow_mtp_cuda=False`, the default; VLLM_GDN_REPLAYSSM_MTP_CUDA unset or 0) CUDA adds
@@ -87,20 +77,15 @@ def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: 
     if platform == "cuda":
         if not allow_mtp_cuda:
             reasons.append(MTP_CUDA_OPT_IN_REASON)
-        elif _vllm_before(MTP_CUDA_MIN_VLLM):
+        elif not versions.capabilities().mtp_cuda:
             # Before 0.32 vLLM keeps plain decode rows beside verify rows in one batch, which a
             # FULL CUDA graph replays: their commit slots/counts would need persistent buffers.
-            reasons.append(f"speculative decoding on CUDA with vLLM < {MTP_CUDA_MIN_VLLM}: batches mixing "
+            reasons.append(f"speculative decoding on CUDA with vLLM < {versions.MTP_CUDA_MIN_VERSION}: batches mixing "
                            "verify and plain decode rows under FULL CUDA graphs need persistent commit "
                            "buffers, which the ring does not have (MTP on CUDA is served from vLLM 0.32)")
-    elif platform == "cpu":
-        import vllm._custom_ops as custom_ops
-        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_mod
-
-        for mod, name in ((custom_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"),
-                          (cpu_mod, "_cpu_gdn_attention_spec_aware")):
-            if not callable(getattr(mod, name, None)):
-                reasons.append(f"this vLLM CPU build has no {name} (the speculative path the ring hooks)")
+    elif platform == "cpu" and not versions.capabilities().cpu_spec_path:
+        reasons.append("this vLLM CPU build has no speculative GDN path (_cpu_gdn_attention_spec_aware and "
+                       "fused_sigmoid_gating_delta_rule_update_spec_cpu, which the ring hooks)")
     return reasons
 
 

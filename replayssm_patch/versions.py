@@ -1,13 +1,17 @@
-"""vLLM version gate and feature probes of every patch point.
+"""vLLM version gate, what the installed vLLM can do (`capabilities`), and source probes.
 
 Probes read vLLM's *source* (parsed, not imported) so the same checks run against the
-installed vLLM and against the released wheels of every supported version.
+installed vLLM and against the released wheels of every supported version; each patch point
+of `patch_points.POINTS` names the probes it depends on. `capabilities()` is computed once per
+vLLM version, and every version-dependent branch of the package reads it.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -47,12 +51,54 @@ def installed_vllm_version() -> str | None:
     return getattr(vllm, "__version__", None)
 
 
+MTP_CUDA_MIN_VERSION = Version("0.32")  # the CUDA MTP routing is written for vLLM 0.32/0.33
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the installed vLLM has, where the supported releases differ."""
+
+    version: Version  # its base version
+    platform_prefers_specs: bool  # the hybrid page is sized from get_mamba_specs_from_config (0.31+)
+    gdn_metadata_reuse: bool  # GDNAttentionMetadataBuilder.update_block_table (0.31+)
+    cpu_spec_path: bool  # the CPU build's speculative GDN path and kernel
+    mtp_cuda: bool  # MTP on CUDA can go through the ring (0.32+)
+
+
+def capabilities() -> Capabilities | None:
+    """The installed vLLM's capabilities (None: vLLM absent or its version unparsable)."""
+    v = parse_version(installed_vllm_version() or "")
+    return None if v is None else _capabilities_of(Version(v.base_version))
+
+
+@functools.lru_cache(maxsize=None)
+def _capabilities_of(version: Version) -> Capabilities:
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    try:
+        prefers_specs = "get_mamba_specs_from_config" in inspect.getsource(Platform._align_hybrid_block_size)
+    except (OSError, TypeError, AttributeError):
+        prefers_specs = False
+    try:
+        import vllm._custom_ops as custom_ops
+        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_mod
+
+        cpu_spec = all(callable(getattr(m, n, None)) for m, n in (
+            (custom_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"),
+            (cpu_mod, "_cpu_gdn_attention_spec_aware")))
+    except Exception:  # a build without the CPU GDN ops
+        cpu_spec = False
+    return Capabilities(version=version, platform_prefers_specs=prefers_specs,
+                        gdn_metadata_reuse=hasattr(GDNAttentionMetadataBuilder, "update_block_table"),
+                        cpu_spec_path=cpu_spec, mtp_cuda=version >= MTP_CUDA_MIN_VERSION)
+
+
 @dataclass(frozen=True)
 class Probe:
     name: str
     path: str
     check: Callable[[ast.Module], str | None]  # returns None when fine, else what is wrong
-    cpu_only: bool = False
 
 
 def _find(tree: ast.AST, cls: str | None, fn: str | None):
@@ -116,40 +162,6 @@ def dataclass_fields(cls: str, names: list[str]):
     return check
 
 
-PACKED_DECODE_PARAMS = ["mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "out",
-                        "ssm_state_indices", "use_qk_l2norm_in_kernel"]
-SIGMOID_UPDATE_PARAMS = ["A_log", "a", "b", "dt_bias", "q", "k", "v", "initial_state", "inplace_final_state",
-                         "cu_seqlens", "ssm_state_indices", "num_accepted_tokens", "use_qk_l2norm_in_kernel"]
-CPU_UPDATE_PARAMS = ["A_log", "dt_bias", "q", "k", "v", "a", "b", "initial_state_source",
-                     "initial_state_indices", "cu_seqlens", "use_qk_l2norm_in_kernel"]
-
-PROBES = [
-    Probe("layer _forward_core", QWEN_GDN,
-          has_method("QwenGatedDeltaNetAttention", "_forward_core",
-                     ["self", "mixed_qkv", "b", "a", "core_attn_out"], exact=True)),
-    Probe("layer get_state_shape", QWEN_GDN, has_method("QwenGatedDeltaNetAttention", "get_state_shape")),
-    Probe("GDN core custom op", QWEN_GDN, registers_op("qwen_gdn_attention_core")),
-    Probe("packed decode kernel import", QWEN_GDN, imports_name("fused_recurrent_gated_delta_rule_packed_decode")),
-    Probe("sigmoid-gating update import", QWEN_GDN, imports_name("fused_sigmoid_gating_delta_rule_update")),
-    Probe("builder build()", GDN_BUILDER,
-          has_method("GDNAttentionMetadataBuilder", "build",
-                     ["self", "common_prefix_len", "common_attn_metadata", "num_accepted_tokens",
-                      "num_decode_draft_tokens_cpu", "fast_build"], exact=True)),
-    Probe("GDN metadata fields", GDN_BUILDER,
-          dataclass_fields("GDNAttentionMetadata",
-                           ["num_prefills", "num_decodes", "num_spec_decodes", "has_initial_state",
-                            "non_spec_state_indices_tensor", "spec_sequence_masks"])),
-    Probe("MambaBase.bind_kv_cache", MAMBA_ABSTRACT, has_method("MambaBase", "bind_kv_cache", ["self", "kv_cache"])),
-    Probe("MambaBase.get_kv_cache_spec", MAMBA_ABSTRACT, has_method("MambaBase", "get_kv_cache_spec")),
-    Probe("MambaSpec fields", KV_IFACE, dataclass_fields("MambaSpec", ["shapes", "dtypes", "page_size_padded"])),
-    Probe("PluggableLayer.register_oot", CUSTOM_OP, has_method("PluggableLayer", "register_oot")),
-    Probe("CPU GDN non-spec path", CPU_GDN,
-          has_method(None, "_cpu_gdn_attention_nonspec", ["layer", "attn_metadata_i"]), cpu_only=True),
-    Probe("CPU decode kernel", CUSTOM_OPS,
-          has_method(None, "fused_sigmoid_gating_delta_rule_update_cpu", CPU_UPDATE_PARAMS), cpu_only=True),
-]
-
-
 def installed_source(relpath: str) -> str | None:
     """Source text of a file of the installed vLLM, located without importing it."""
     spec = importlib.util.find_spec("vllm")
@@ -161,39 +173,3 @@ def installed_source(relpath: str) -> str | None:
         return None
     with open(path, encoding="utf-8") as f:
         return f.read()
-
-
-def run_probes(read_source: Callable[[str], str | None] = installed_source, cpu: bool = False) -> list[str]:
-    """Return the list of failed probes (empty when every patch point looks as expected)."""
-    failures, trees = [], {}
-    for probe in PROBES:
-        if probe.cpu_only and not cpu:
-            continue
-        if probe.path not in trees:
-            text = read_source(probe.path)
-            trees[probe.path] = ast.parse(text) if text is not None else None
-        tree = trees[probe.path]
-        why = f"{probe.path} missing" if tree is None else probe.check(tree)
-        if why:
-            failures.append(f"{probe.name}: {why}")
-    return failures
-
-
-def runtime_kernel_signatures() -> list[str]:
-    """Check the recurrence kernels the layer module actually holds (after import)."""
-    import inspect
-
-    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as mod
-
-    failures = []
-    for name, params in (("fused_recurrent_gated_delta_rule_packed_decode", PACKED_DECODE_PARAMS),
-                         ("fused_sigmoid_gating_delta_rule_update", SIGMOID_UPDATE_PARAMS)):
-        fn = getattr(mod, name, None)
-        fn = getattr(fn, "__wrapped__", fn)
-        if fn is None:
-            failures.append(f"{name} missing from {mod.__name__}")
-            continue
-        got = list(inspect.signature(fn).parameters)
-        if not all(p in got for p in params):
-            failures.append(f"{name} parameters {got}, expected {params}")
-    return failures

@@ -48,3 +48,61 @@ def test_summarize_trace_without_gpu_events(tmp_path):
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]))
     assert "error" in _load("e2e_decode").summarize_trace(str(path))
+
+
+def _run(arm, step_ms, batches=(1, 64), busy=None):
+    out = {"arm": arm, "batches": {}}
+    for b in batches:
+        agg = b * 1000.0 / step_ms[b]
+        entry = {"step_ms": step_ms[b], "aggregate_tok_s": agg}
+        if busy:
+            entry["profile"] = {"gpu_busy_us": busy[b][0] * 8e3, "gpu_span_us": busy[b][1] * 8e3}
+        out["batches"][str(b)] = entry
+    return out
+
+
+def _args(mod, tmp_path, **over):
+    import argparse
+
+    a = argparse.Namespace(batches="1,64", state_dtype="float32", kernel_json=None, kernel_shape="qwen3-next",
+                           compile_mode=3, cudagraph_mode="FULL_AND_PIECEWISE", mtp=0, shape="9b", tp=1,
+                           gdn_heads="16,32", out=str(tmp_path / "e2e.json"), plot=str(tmp_path / "e2e.png"))
+    for k, v in over.items():
+        setattr(a, k, v)
+    return a
+
+
+def test_e2e_summary_is_the_median_of_pair_ratios_with_min_max_and_idle(tmp_path):
+    """Three pairs (AB, BA, AB): one ratio per pair and batch, the median reported with min/max;
+    the profiler's per-step idle (span - busy) excess over native as a fraction of native's step."""
+    mod = _load("e2e_decode")
+    n = [_run("native", {1: 10.0, 64: 20.0}, busy={1: (5, 10), 64: (15, 20)}) for _ in range(3)]
+    p = [_run("patched", {1: s1, 64: s64}, busy={1: (5, 10.5), 64: (14, 21)})
+         for s1, s64 in ((10.0, 18.0), (11.0, 19.0), (9.0, 25.0))]
+    runs = [n[0], p[0], p[1], n[1], n[2], p[2]]
+    res = mod.finish(_args(mod, tmp_path), runs)
+    row = res["table"][64]
+    assert row["pair_speedups"] == [round(20 / 18, 4), round(20 / 19, 4), round(20 / 25, 4)]
+    assert row["speedup"] == 20 / 19 and row["speedup_min"] == 20 / 25 and row["speedup_max"] == 20 / 18
+    assert abs(row["idle_excess_of_native_step"] - ((21 - 14) - (20 - 15)) / 20) < 1e-12
+    s = res["summary"]
+    assert s["config"] == "default" and s["pairs"] == 3 and s["speedup_b1"] == round(10 / 10, 4)
+    assert json.load(open(tmp_path / "e2e.json"))["summary"] == s
+    assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_e2e_refuses_runs_that_do_not_pair(tmp_path):
+    mod = _load("e2e_decode")
+    one = _run("native", {1: 10.0, 64: 20.0})
+    with pytest.raises(SystemExit, match="pair"):
+        mod.finish(_args(mod, tmp_path, plot=None), [one, one])
+    with pytest.raises(SystemExit, match="pair up"):
+        mod.finish(_args(mod, tmp_path, plot=None), [one])
+
+
+def test_e2e_mtp_summary_keys(tmp_path):
+    mod = _load("e2e_decode")
+    runs = [_run("native", {1: 10.0, 64: 20.0}), _run("patched", {1: 10.0, 64: 16.0})]
+    s = mod.finish(_args(mod, tmp_path, plot=None, mtp=3, compile_mode=0, cudagraph_mode="FULL_DECODE_ONLY"),
+                   runs)["summary"]
+    assert s["config"] == "full_decode_only_no_compile" and s["speedup_t3_b64"] == 1.25

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replayssm_patch import options, versions
+from replayssm_patch import options, patch_points, versions
 from replayssm_patch.testing import cache_dir
 
 if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
@@ -72,17 +72,17 @@ def test_patch_rejects_bad_arguments_without_touching_anything(kwargs, name, mon
 
 # -- version gate and probes --------------------------------------------------------------------
 def test_probes_pass_on_installed_vllm():
-    assert versions.run_probes(cpu=True) == []
-    assert versions.runtime_kernel_signatures() == []
+    assert patch_points.run_probes(cpu=True) == []
+    assert patch_points.runtime_signatures() == []
 
 
 def test_probe_detects_a_changed_patch_point():
     src = versions.installed_source(versions.QWEN_GDN)
     changed = src.replace("def _forward_core(\n        self,\n        mixed_qkv", "def _forward_core(\n        self,\n        qkv", 1)
     assert changed != src
-    failures = versions.run_probes(lambda p: changed if p == versions.QWEN_GDN else versions.installed_source(p))
+    failures = patch_points.run_probes(lambda p: changed if p == versions.QWEN_GDN else versions.installed_source(p))
     assert any("_forward_core" in f for f in failures), failures
-    missing = versions.run_probes(lambda p: None if p == versions.GDN_BUILDER else versions.installed_source(p))
+    missing = patch_points.run_probes(lambda p: None if p == versions.GDN_BUILDER else versions.installed_source(p))
     assert any("gdn_attn.py missing" in f for f in missing)
 
 
@@ -107,8 +107,8 @@ def test_probes_pass_on_released_vllm_sources(release, wheel_dir):
     with zipfile.ZipFile(wheels[0]) as z:
         names = set(z.namelist())
         read = lambda p: z.read(p).decode() if p in names else None  # noqa: E731
-        assert versions.run_probes(read, cpu=False) == []
-        assert versions.run_probes(read, cpu=True) == []
+        assert patch_points.run_probes(read, cpu=False) == []
+        assert patch_points.run_probes(read, cpu=True) == []
 
 
 def test_version_range():
@@ -177,7 +177,9 @@ def test_patch_allow_mtp_cuda_reaches_options_env_and_status(clean_patch_state, 
     assert report["options"]["allow_mtp_cuda"] is True
     assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
     assert options.from_env().allow_mtp_cuda
-    assert clean_patch_state._state["options"].allow_mtp_cuda
+    from replayssm_patch import decisions
+
+    assert decisions.state["options"].allow_mtp_cuda
     assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is True
     replayssm_patch.patch()
     assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
@@ -412,10 +414,11 @@ def test_mtp_cuda_refused_before_vllm_032(monkeypatch):
 @pytest.fixture
 def fake_cuda_mtp(monkeypatch):
     """A faked CUDA platform with vLLM 0.33.0, ring kernels available and the page-size hook a
-    no-op; patching's log-once memory cleared and its logger propagating to caplog."""
+    no-op; the decisions' log-once memory cleared and its logger propagating to caplog."""
     from vllm.platforms import current_platform
 
-    from replayssm_patch import kernels, model_hooks, patching, versions
+    from replayssm_patch import decisions as patching
+    from replayssm_patch import kernels, model_hooks, versions
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False, raising=False)
@@ -452,7 +455,7 @@ def test_cuda_mtp_native_by_default_served_when_opted_in(fake_cuda_mtp, monkeypa
     assert plan_for(_mtp_config(7, **{"cache_config.mamba_cache_mode": "align"}), opted_in)[0] is None
     assert plan_for(fake_config(), default)[0] is not None  # no speculative config: served as before
 
-    monkeypatch.setitem(patching._state, "options", opted_in)
+    monkeypatch.setitem(patching.state, "options", opted_in)
     with caplog.at_level(logging.INFO, logger=patching.logger.name):
         assert patching.current_plan(_mtp_config(7))[0] is not None
         patching.current_plan(_mtp_config(7))
@@ -464,7 +467,7 @@ def test_cuda_mtp_native_by_default_served_when_opted_in(fake_cuda_mtp, monkeypa
     assert not any(r.levelno >= logging.WARNING for r in _own_records(caplog, patching))
 
     caplog.clear()
-    monkeypatch.setitem(patching._state, "options", default)
+    monkeypatch.setitem(patching.state, "options", default)
     with caplog.at_level(logging.INFO, logger=patching.logger.name):
         assert patching.current_plan(_mtp_config(7))[0] is None  # native by default, reason logged
         patching.current_plan(_mtp_config(7))
@@ -485,7 +488,7 @@ def test_strict_mode_and_mtp_cuda_default(fake_cuda_mtp, monkeypatch, caplog):
 
     patching = fake_cuda_mtp
     strict = options.Options(enabled=True, strict=True)
-    monkeypatch.setitem(patching._state, "options", strict)
+    monkeypatch.setitem(patching.state, "options", strict)
     with caplog.at_level(logging.INFO, logger=patching.logger.name):
         plan, reasons = patching.current_plan(_mtp_config(3))
     assert plan is None and reasons == [MTP_CUDA_OPT_IN_REASON]
@@ -497,14 +500,14 @@ def test_strict_mode_and_mtp_cuda_default(fake_cuda_mtp, monkeypatch, caplog):
     assert "prefix caching" in str(e.value) and MTP_CUDA_OPT_IN_REASON in str(e.value)
     # ... and so does a limitation of its own, opted in (LoRA)
     strict_in = options.Options(enabled=True, strict=True, allow_mtp_cuda=True)
-    monkeypatch.setitem(patching._state, "options", strict_in)
+    monkeypatch.setitem(patching.state, "options", strict_in)
     with pytest.raises(patching.PatchRefused) as e:
         patching.current_plan(_mtp_config(3, lora_config=object()))
     assert "LoRA" in str(e.value) and MTP_CUDA_OPT_IN_REASON not in str(e.value)
     assert patching.current_plan(_mtp_config(3))[0] is not None  # strict and opted in: served
     # not strict: the same limitation is a warning
     caplog.clear()
-    monkeypatch.setitem(patching._state, "options", options.Options(enabled=True))
+    monkeypatch.setitem(patching.state, "options", options.Options(enabled=True))
     with caplog.at_level(logging.INFO, logger=patching.logger.name):
         assert patching.current_plan(_mtp_config(3, **{"cache_config.mamba_cache_mode": "align"}))[0] is None
     warned = [r for r in _own_records(caplog, patching) if "prefix caching" in r.getMessage()]

@@ -65,8 +65,19 @@ def deviations(tmp_path_factory):
             f"{arm}: mean KL {d['mean_kl']:.3g}, max |dlogprob| {d['max_abs_dlogprob']:.4f}, "
             f"positions identical {d['identical_positions']:.3f}" for arm, d in f["forced"].items()))
     if os.environ.get("REPLAYSSM_TF_RESULTS"):
+        import datetime
+        import platform
+
+        import torch
+        import vllm
+
         with open(os.environ["REPLAYSSM_TF_RESULTS"], "w") as fh:
-            json.dump({"tokens_per_request": TOKENS, "requests": len(_prompts()), "engine": ENGINE,
+            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "command": "REPLAYSSM_TF_RESULTS=<this file> .venv/bin/python -m pytest -q -s "
+                                  "tests/test_teacher_forced.py",
+                       "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
+                       "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+                       "tokens_per_request": TOKENS, "requests": len(_prompts()), "engine": ENGINE,
                        "models": MODELS, "vs_native": figures}, fh, indent=1, default=str)
     return figures
 

@@ -168,3 +168,36 @@ def test_page_hook_finds_the_gdn_spec_by_its_shapes_not_its_mamba_type(monkeypat
     assert specs[0].shapes == gdn.shapes + ring[0] and specs[0].dtypes == gdn.dtypes + ring[1]
     assert specs[1] == other
     assert Qwen4ExpLike.get_mamba_specs_from_config(SimpleNamespace()) == (gdn, other)  # removed again
+
+
+def test_builder_recomputes_prefill_slots_per_kv_cache_group(monkeypatch):
+    """vLLM's V2 runner builds one GDN group's metadata and calls update_block_table for the
+    others (re-gathered state indices): the ring's prefill slot lists must be this group's, the
+    batch-level flags shared."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    from replayssm_patch.backend import ReplayGDNAttentionMetadata, ReplayGDNAttentionMetadataBuilder
+
+    def regather(self, metadata, blk_table, slot_mapping):  # what vLLM's does, for non-spec batches
+        from dataclasses import replace
+
+        return replace(metadata, non_spec_state_indices_tensor=blk_table[:, 0])
+
+    monkeypatch.setattr(GDNAttentionMetadataBuilder, "update_block_table", regather)
+    names = {f for f in ReplayGDNAttentionMetadata.__dataclass_fields__}
+    base = {n: None for n in names}
+    empty = torch.tensor([0, 0, 1, 0], dtype=torch.int8)  # row 2 starts a new block
+    group0 = ReplayGDNAttentionMetadata(**dict(
+        base, num_prefills=2, num_decodes=2, num_decode_tokens=2, num_prefill_tokens=9, num_spec_decodes=0,
+        num_spec_decode_tokens=0, num_actual_tokens=11, non_spec_state_indices_tensor=torch.tensor([1, 2, 3, 4]),
+        has_initial_state=torch.tensor([True, True, True, True]), ring_start_empty=empty,
+        ring_force_flush=torch.zeros(4, dtype=torch.int8), ring_prefill_slots=torch.tensor([3, 4]),
+        ring_prefill_flush_slots=torch.tensor([0, 4]), ring_decode=True))
+    builder = object.__new__(ReplayGDNAttentionMetadataBuilder)
+    other = builder.update_block_table(group0, torch.tensor([[11], [12], [13], [14]]), None)
+    assert other.ring_prefill_slots.tolist() == [13, 14]
+    assert other.ring_prefill_flush_slots.tolist() == [0, 14]  # row 2's ring is stale: not flushed
+    assert other.ring_start_empty is empty and other.ring_decode
+    decodes_only = builder.update_block_table(
+        ReplayGDNAttentionMetadata(**{**group0.__dict__, "num_prefills": 0}), torch.tensor([[21], [22]]), None)
+    assert decodes_only.ring_prefill_slots is None and decodes_only.ring_prefill_flush_slots is None

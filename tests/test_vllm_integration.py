@@ -293,5 +293,6 @@ def test_dispatch_crosses_min_batch_in_both_directions(models, tmp_path, arch):
     c = patched["dispatch"]["ring_counters"]
     print(f"[{arch} dispatch] {c}")
     assert c["native_decode_calls"] > 0 and c["decode_calls"] > 0, c
+    assert c["dispatch_to_ring"] > 0 and c["dispatch_to_native"] > 0, c  # both directions
     assert c["shadow_checks"] == c["decode_calls"] and c["shadow_max_rel_err_x1e6"] < SHADOW_TOL * 1e6, c
     check_pair(f"{arch} dispatch", native["dispatch"], patched["dispatch"])

@@ -154,7 +154,7 @@ def tiny_model_config(
 
 
 def content_key(config: dict, seed: int, init_std: float, weight_scale: dict | None = None,
-                logit_echo: float = 0.0, echo_drafts: bool = False) -> str:
+                logit_echo: float = 0.0, echo_drafts: bool = False, tokenizer: bool = False) -> str:
     """Hash of everything that determines a checkpoint's content."""
     what = {"format": FORMAT_VERSION, "config": config, "seed": seed, "init_std": init_std}
     # the options below enter only when given, so checkpoints built without them keep their keys
@@ -164,6 +164,8 @@ def content_key(config: dict, seed: int, init_std: float, weight_scale: dict | N
         what["logit_echo"] = float(logit_echo)
     if echo_drafts:
         what["echo_drafts"] = True
+    if tokenizer:
+        what["tokenizer"] = True
     blob = json.dumps(what, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -179,6 +181,7 @@ def build_tiny_model(
     weight_scale: dict[str, float] | None = None,
     logit_echo: float = 0.0,
     echo_drafts: bool = False,
+    tokenizer: bool = False,
     **config_overrides: Any,
 ) -> Path:
     """Write (or reuse) a tiny random-weight checkpoint under `out_dir`; returns its directory.
@@ -196,13 +199,16 @@ def build_tiny_model(
     `echo_drafts` (with `mtp_layers` and `logit_echo`) makes the MTP head draft pi(token): its
     fc passes the token's embedding straight through ([I, 0]) and its layers' attention and MLP
     outputs are zeroed, so drafts are accepted where the context does not outweigh the echo.
+    `tokenizer` also writes the word-level tokenizer of the vision-language models to a text
+    model (``t<i>`` is token i), for paths that need one (the OpenAI-compatible server).
     `DECISIVE` holds the measured settings (the Qwen3.5 checkpoint of the vLLM integration tests;
     their MODEL_SPECS give the other models' per-architecture factors).
     """
     config = tiny_model_config(arch, gdn_head_dim=gdn_head_dim, mtp_layers=mtp_layers, **config_overrides)
     if echo_drafts and not (mtp_layers and logit_echo):
         raise ValueError("echo_drafts needs mtp_layers > 0 and logit_echo > 0")
-    key = content_key(config, seed, init_std, weight_scale, logit_echo, echo_drafts)
+    vision = arch in VL_ARCHS
+    key = content_key(config, seed, init_std, weight_scale, logit_echo, echo_drafts, tokenizer and not vision)
     name = f"{arch}-gdn{gdn_head_dim}" + (f"-mtp{mtp_layers}" if mtp_layers else "") + f"-{key}"
     root = Path(out_dir)
     target = root / name
@@ -212,6 +218,8 @@ def build_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
         _write_checkpoint(tmp, config, seed, init_std, weight_scale or {}, logit_echo, echo_drafts)
+        if vision or tokenizer:
+            _write_processor(tmp, config.get("text_config", config)["vocab_size"], vision)
         (tmp / _DONE).write_text(json.dumps({"key": key, "seed": seed, "init_std": init_std,
                                              "weight_scale": weight_scale or {},
                                              "logit_echo": logit_echo, "echo_drafts": echo_drafts}) + "\n")
@@ -282,13 +290,11 @@ def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weig
     with open(path / "config.json", "w") as f:
         json.dump(dict(config, dtype="bfloat16", torch_dtype="bfloat16"), f, indent=2, sort_keys=True)
         f.write("\n")
-    if vision:
-        _write_processor(path, config["text_config"]["vocab_size"])
 
 
-def _write_processor(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer (`t<i>` is token i) with the vision tokens, and the image processor
-    config vLLM's Qwen3.5 multimodal processor loads."""
+def _write_processor(path: Path, vocab_size: int, vision: bool) -> None:
+    """A word-level tokenizer (`t<i>` is token i) with the vision tokens and, for a
+    vision-language model, the image processor config vLLM's Qwen3.5 multimodal processor loads."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     special = {"<|image_pad|>": IMAGE_TOKEN, "<|video_pad|>": VIDEO_TOKEN,
@@ -308,6 +314,8 @@ def _write_processor(path: Path, vocab_size: int) -> None:
                                      "size": {"shortest_edge": 64 * 64, "longest_edge": 256 * 256}},
         "processor_config.json": {"processor_class": "Qwen3VLProcessor"},
     }
+    if not vision:
+        files = {"tokenizer_config.json": files["tokenizer_config.json"]}
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2) + "\n")
 

@@ -319,6 +319,29 @@ def test_materialize_and_reset():
     assert torch.equal(p.cursor, ref[4])
 
 
+def test_materialize_drops_rows_flagged_start_empty():
+    """The native side of the dispatch: rows whose state came without their ring (start_empty)
+    drop it (cursor 0, checkpoint bit-identical); the others flush."""
+    H, HV, K, V, L = 2, 4, 128, 128, 16
+    p = Problem(H, HV, K, V, L, F32, F32, seed=4)
+    for _ in range(3):  # every row's ring holds 3 entries
+        qkv, a, b = p.inputs()
+        ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, torch.empty(p.N, HV, V, device=DEV),
+                    p.idx_full, *p.rings())
+    before = p.state.clone()
+    ref = [p.state.clone()] + [t.clone() for t in p.rings()]
+    sel = p.idx_full[:4].clone()
+    empty = torch.tensor([1, 0, 1, 0], dtype=torch.int8, device=DEV)
+    ring_materialize(p.state, *p.rings(), sel, empty)
+    ring_materialize_reference(*ref, sel, empty)
+    assert torch.equal(p.cursor, ref[4]) and int(p.cursor[sel.long()].abs().sum()) == 0
+    for i, slot in enumerate(sel.tolist()):
+        if empty[i]:
+            assert torch.equal(p.state[slot], before[slot]), "a dropped ring changed the checkpoint"
+        else:
+            assert _rel(p.state[slot], ref[0][slot]) < 1e-6 and not torch.equal(p.state[slot], before[slot])
+
+
 @pytest.mark.parametrize("config", [None, TWO_PHASE_PDL, REPLAY_PDL, TWO_PHASE_TC_FLUSH],
                          ids=["default", "2phase_pdl", "replay_pdl", "2phase_tcflush"])
 def test_cuda_graph_full_cycle_matches_eager(config):
