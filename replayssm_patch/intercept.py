@@ -7,14 +7,17 @@ for the decode rows of mixed batches; `fused_sigmoid_gating_delta_rule_update_cp
 With speculative decoding (MTP) the verify call (`fused_sigmoid_gating_delta_rule_update`
 with `num_accepted_tokens` on GPU, `fused_sigmoid_gating_delta_rule_update_spec_cpu` on CPU)
 goes to the ring's verify step, which commits the slot's previous window first.
-We replace those module globals once with wrappers that pass straight through unless a
-`RingCall` is active for the very state tensor they were given; then they run the ring
-kernel on the same inputs. Everything else in vLLM's path stays vLLM's.
+Those module globals are replaced once (patch_points.POINTS) by wrappers that pass straight
+through unless a `RingCall` is active for the very state tensor they were given; then they run
+the ring kernel on the same inputs, or, on a step the dispatch leaves native
+(`RingCall.native_decode`), flush the rows' rings and call vLLM's kernel. Everything else in
+vLLM's path stays vLLM's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -145,8 +148,7 @@ def make_packed_decode_wrapper(native):
                        call.force_flush[:n], call.start_empty[:n])
         return out, state
 
-    packed_decode.__wrapped__ = native
-    return packed_decode
+    return functools.update_wrapper(packed_decode, native)  # name, doc, __wrapped__ (signature)
 
 
 def make_sigmoid_update_wrapper(native):
@@ -174,8 +176,7 @@ def make_sigmoid_update_wrapper(native):
         out = _decode_split_qkv(call, p, state, idx, leading=(1, n))
         return out, state
 
-    sigmoid_update.__wrapped__ = native
-    return sigmoid_update
+    return functools.update_wrapper(sigmoid_update, native)  # name, doc, __wrapped__ (signature)
 
 
 def make_cpu_update_wrapper(native):
@@ -204,8 +205,7 @@ def make_cpu_update_wrapper(native):
             shadow.check_decode(native, p, call.ring, out, call.start_empty)
         return out
 
-    cpu_update.__wrapped__ = native
-    return cpu_update
+    return functools.update_wrapper(cpu_update, native)  # name, doc, __wrapped__ (signature)
 
 
 def make_cpu_spec_update_wrapper(native):
@@ -228,8 +228,7 @@ def make_cpu_spec_update_wrapper(native):
                                  cu, p["num_accepted_tokens"], q, leading=(q.shape[-3],),
                                  numerics=kernels.CPU_SPEC_NUMERICS)
 
-    cpu_spec_update.__wrapped__ = native
-    return cpu_spec_update
+    return functools.update_wrapper(cpu_spec_update, native)  # name, doc, __wrapped__ (signature)
 
 
 def run_with_ring(layer, md, state_for_kernels, native_call):

@@ -7,6 +7,7 @@ ring cannot serve (see ring_plan) behaves exactly like vLLM's class.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from math import prod
 
@@ -120,5 +121,4 @@ def make_cpu_nonspec_wrapper(native):
         return intercept.run_with_ring(layer, md, cpu_state_view(layer),
                                        lambda: native(layer, attn_metadata_i, *args, **kw))
 
-    cpu_gdn_attention_nonspec.__wrapped__ = native
-    return cpu_gdn_attention_nonspec
+    return functools.update_wrapper(cpu_gdn_attention_nonspec, native)  # name, doc, __wrapped__ (signature)
