@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ._vendored.gdn_reference import CPU_L2NORM_EPS, prepare_inputs
+from ._vendored.gdn_reference import prepare_inputs
 from ._vendored.ring_reference import check_ring, replayed_state
+from .numerics import CPU_DECODE_NUMERICS
 
 
 def _row_cursors(ring, slots, rows, start_empty, L):
@@ -82,7 +83,8 @@ def _append(params, ring, rows, slots, pos, S_prev, G_n, H, HV, K, V):
     b = params["b"][rows]
     _, kk, vv, g, beta, k_heads = prepare_inputs(
         mixed, params["a"][rows], b, params["A_log"], params["dt_bias"], K ** -0.5, H, HV, K, V,
-        torch.float32, use_qk_l2norm=True, beta_rounding=b.dtype, l2norm_eps=CPU_L2NORM_EPS)
+        torch.float32, use_qk_l2norm=True, l2norm_eps=CPU_DECODE_NUMERICS.l2norm_eps,
+        beta_rounding=b.dtype if CPU_DECODE_NUMERICS.beta_in_input_dtype else None)
     decayed = S_prev * torch.exp(g)[..., None, None]
     d = beta[..., None] * (vv - (decayed * kk[..., None, :]).sum(-1))
     ring.d[slots, :, pos] = d.to(ring.d.dtype)

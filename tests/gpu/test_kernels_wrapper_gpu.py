@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from replayssm_patch import kernels  # noqa: E402
+from replayssm_patch import kernels, numerics  # noqa: E402
 from replayssm_patch._vendored.ring_reference import pack_cursor, unpack_cursor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -73,7 +73,7 @@ def test_decode_cuda_matches_cpu_reference(ring_dtype, rows):
         kernels.decode(qkv.cuda(), a.cuda(), b.cuda(), A_log.cuda(), dt_bias.cuda(), K ** -0.5, st_g, out_g,
                        idx.cuda(), ring_g, ff.cuda(), se.cuda())
         kernels.decode(qkv, a, b, A_log, dt_bias, K ** -0.5, st_c, out_c, idx, ring_c, ff, se,
-                       numerics=kernels.FLA_NUMERICS)
+                       numerics=numerics.FLA_NUMERICS)
         assert not torch.isnan(out_g.float()).any(), f"step {step}: unwritten output"
         assert (out_g[idx.cuda() <= 0] == 0).all(), "null / padded rows get a zero output"
         assert torch.equal(ring_g.cursor.cpu(), ring_c.cursor), f"step {step}: cursors differ"
@@ -132,10 +132,10 @@ def test_cuda_refuses_cpu_numerics_before_counting():
     out = torch.zeros(2, HV, V, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="round as FLA"):
         kernels.decode(qkv, a, b, torch.zeros(HV, device="cuda"), torch.zeros(HV, device="cuda"), K ** -0.5,
-                       st_g, out, idx, ring_g, None, None, numerics=kernels.CPU_DECODE_NUMERICS)
+                       st_g, out, idx, ring_g, None, None, numerics=numerics.CPU_DECODE_NUMERICS)
     with pytest.raises(ValueError, match="round as FLA"):
         kernels.spec_verify(qkv, a, b, torch.zeros(HV, device="cuda"), torch.zeros(HV, device="cuda"), K ** -0.5,
                             st_g, out, idx, torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"), ring_g,
-                            None, 2, numerics=kernels.CPU_SPEC_NUMERICS)
+                            None, 2, numerics=numerics.CPU_SPEC_NUMERICS)
     assert dict(kernels.counters) == counts, "a refused call must not be counted"
     assert torch.equal(st_g, state_before) and torch.equal(ring_g.cursor, cursor_before)
