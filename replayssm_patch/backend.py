@@ -59,6 +59,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         # every layer of a group has the same plan (it is taken from the config alone)
         layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
         self.min_batch = layer.ring_plan.min_batch
+        self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
         # vLLM (>= 0.31, V2 runner, CUDA) builds the metadata of one GDN KV-cache group per step
         # and only re-gathers the state indices for the others (update_block_table), but turns
         # that off for any subclass (`type(self) is GDNAttentionMetadataBuilder`): every group
@@ -87,7 +88,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
 
     def _count_switch(self, ring_decode: bool) -> None:
         """Count the dispatch's switches between decode steps (status() counters)."""
-        last = getattr(self, "_last_ring_decode", None)
+        last = self._last_ring_decode
         if last is not None and last != ring_decode:
             counters["dispatch_to_ring" if ring_decode else "dispatch_to_native"] += 1
         self._last_ring_decode = ring_decode

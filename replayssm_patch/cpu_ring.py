@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._vendored.gdn_reference import prepare_inputs
+from ._vendored.gdn_reference import pack_qkv, prepare_inputs
 from ._vendored.ring_reference import check_ring, replayed_state
 from .numerics import CPU_DECODE_NUMERICS
 
@@ -77,9 +77,7 @@ def ring_decode(native, params: dict, ring, force_flush, start_empty) -> torch.T
 def _append(params, ring, rows, slots, pos, S_prev, G_n, H, HV, K, V):
     """Append d = beta (v - alpha S_prev k), the normalised k and G + g at position `pos`,
     rounding the gates and the norm as the CPU decode kernel does."""
-    q, k, v = params["q"][0, rows], params["k"][0, rows], params["v"][0, rows]
-    n = rows.numel()
-    mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+    mixed = pack_qkv(params["q"][0, rows], params["k"][0, rows], params["v"][0, rows])
     b = params["b"][rows]
     _, kk, vv, g, beta, k_heads = prepare_inputs(
         mixed, params["a"][rows], b, params["A_log"], params["dt_bias"], K ** -0.5, H, HV, K, V,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels, shadow
+from ._vendored.gdn_reference import pack_qkv
 from .numerics import CPU_SPEC_NUMERICS, FLA_NUMERICS
 
 
@@ -60,12 +61,6 @@ def _match(state: torch.Tensor) -> RingCall | None:
     return call
 
 
-def _pack(q, k, v):
-    """(1, N, H, K) q/k and (1, N, HV, V) v -> packed [N, 2HK + HV V]."""
-    n = q.shape[-3]
-    return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-
-
 def _decode_split_qkv(call, p, state, idx, leading):
     """Ring decode (CUDA) for kernels that take q/k/v split as (1, N, heads, dim): one token per
     row. Returns the output shaped `leading + (HV, V)`, as the replaced kernel returns it."""
@@ -73,7 +68,7 @@ def _decode_split_qkv(call, p, state, idx, leading):
     n = q.shape[1]
     hv, vdim = p["v"].shape[-2:]
     out = torch.empty((*leading, hv, vdim), dtype=q.dtype, device=q.device)
-    kernels.decode(_pack(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
+    kernels.decode(pack_qkv(q, p["k"], p["v"]), p["a"][:n], p["b"][:n], p["A_log"], p["dt_bias"],
                    call.scale, state, out.view(n, hv, vdim), idx[:n], call.ring,
                    call.force_flush[:n], call.start_empty[:n])
     return out
@@ -124,7 +119,7 @@ def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading, numer
     hv, vdim = p["v"].shape[-2:]
     n = q.shape[-3]
     out = torch.empty((*leading, hv, vdim), dtype=q.dtype, device=q.device)
-    kernels.spec_verify(_pack(q, p["k"], p["v"]), p["a"][:n].contiguous(), p["b"][:n].contiguous(),
+    kernels.spec_verify(pack_qkv(q, p["k"], p["v"]), p["a"][:n].contiguous(), p["b"][:n].contiguous(),
                         p["A_log"], p["dt_bias"], call.scale, state, out.view(n, hv, vdim), slots,
                         cu.contiguous(), call.ring, num_accepted, call.spec_window, numerics=numerics)
     return out

@@ -76,11 +76,18 @@ def parse_bool(name: str, value: str) -> bool:
     raise OptionError(f"{name}={value!r} is not a boolean; accepted values: 0/1, true/false, yes/no, on/off")
 
 
-def check_ring_len(name: str, value) -> int:
+def _as_int(value) -> int | None:
+    """`value` as an integer if it is written as one (not a bool, not a float's text), else None."""
+    if isinstance(value, bool):
+        return None
     try:
-        n = int(str(value).strip()) if not isinstance(value, bool) else None
+        return int(str(value).strip())
     except ValueError:
-        n = None
+        return None
+
+
+def check_ring_len(name: str, value) -> int:
+    n = _as_int(value)
     if n is None or not (MIN_RING_LEN <= n <= MAX_RING_LEN):
         raise OptionError(
             f"{name}={value!r} is not a valid ring length; accepted values: integers "
@@ -92,10 +99,7 @@ def check_ring_len(name: str, value) -> int:
 def check_min_batch(name: str, value) -> int | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    try:
-        n = int(str(value).strip()) if not isinstance(value, (bool, float)) else None
-    except ValueError:
-        n = None
+    n = _as_int(value)
     if n is None or not (1 <= n <= MAX_MIN_BATCH):
         raise OptionError(f"{name}={value!r} is not accepted; accepted values: auto (the measured table), "
                           f"or an integer 1..{MAX_MIN_BATCH} (the smallest decode batch served by the ring)")
@@ -120,24 +124,27 @@ def declare_to_vllm() -> None:
         envs.environment_variables.setdefault(name, lambda name=name: os.environ.get(name))
 
 
+def _env_value(environ, name: str, default: str) -> str:
+    """A variable's value; unset or blank means its default."""
+    env = os.environ if environ is None else environ
+    value = env.get(name, "")
+    return value if value.strip() else default
+
+
 def enabled_in_env(environ=None) -> bool:
     """Whether VLLM_GDN_REPLAYSSM asks for the patch (raises OptionError for a bad value)."""
-    env = os.environ if environ is None else environ
-    value = env.get(ENV_ENABLE, "")
-    return parse_bool(ENV_ENABLE, value if value.strip() else "0")
+    return parse_bool(ENV_ENABLE, _env_value(environ, ENV_ENABLE, "0"))
 
 
 def from_env(environ=None) -> Options:
     """Read the options from the environment; raises OptionError naming the bad variable.
     A variable that is unset or blank takes its default."""
-    env = os.environ if environ is None else environ
 
     def get(name: str, default: str) -> str:
-        value = env.get(name, "")
-        return value if value.strip() else default
+        return _env_value(environ, name, default)
 
     return Options(
-        enabled=parse_bool(ENV_ENABLE, get(ENV_ENABLE, "0")),
+        enabled=enabled_in_env(environ),
         ring_len=check_ring_len(ENV_RING, get(ENV_RING, str(DEFAULT_RING_LEN))),
         strict=parse_bool(ENV_STRICT, get(ENV_STRICT, "0")),
         ring_dtype=check_ring_dtype(ENV_RING_DTYPE, get(ENV_RING_DTYPE, "auto")),

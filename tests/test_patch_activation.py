@@ -118,16 +118,6 @@ def test_version_range():
     assert not any(versions.version_in_range(v) for v in bad)
 
 
-@pytest.fixture
-def clean_patch_state():
-    from replayssm_patch import patching
-
-    patching.revert()
-    yield patching
-    patching.revert()
-    patching.apply(options.Options(enabled=False))
-
-
 def test_out_of_range_version_is_refused_cleanly(clean_patch_state, monkeypatch):
     patching = clean_patch_state
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.28.0")

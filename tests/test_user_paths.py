@@ -21,17 +21,6 @@ if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
     pytest.importorskip("vllm")
 
 
-@pytest.fixture
-def clean_patch_state():
-    from replayssm_patch import patching
-
-    patching.revert()
-    yield patching
-    patching.revert()
-    patching._engine_started.clear()
-    patching.apply(options.Options(enabled=False))
-
-
 def test_plugin_is_inert_when_disabled_whatever_the_other_variables_say(monkeypatch, clean_patch_state):
     from replayssm_patch import plugin
 

@@ -44,6 +44,12 @@ def head_counts(mixed_qkv: torch.Tensor, state: torch.Tensor) -> tuple[int, int,
     return H, HV, K, V
 
 
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q/k (..., N, H, K) and v (..., N, HV, V), leading dims of size 1, -> packed [N, 2HK + HV V]."""
+    n = q.shape[-3]
+    return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+
+
 def split_packed_qkv(mixed_qkv: torch.Tensor, H: int, HV: int, K: int, V: int):
     """Split packed [N, 2HK + HV V] into q [N,H,K], k [N,H,K], v [N,HV,V] (views)."""
     n = mixed_qkv.shape[0]
