@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=300)
-    ap.add_argument("--order", default="ABBA", help="A = native, B = ring; consecutive runs pair up")
+    ap.add_argument("--order", default="ABBAAB", help="A = native, B = ring; consecutive runs pair up")
     ap.add_argument("--out")
     ap.add_argument("--arm", choices=["native", "ring"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

