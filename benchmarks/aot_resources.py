@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Compile the ring kernels for a CUDA target on a machine without a GPU and report, per launch
-configuration, what the compiler made of each kernel: registers per thread, spill and stack
+"""Compile the ring kernels for a CUDA target on a machine without a GPU and report, per launch,
+what the compiler made of each kernel: registers per thread, spill and stack
 bytes, static shared memory, and SASS instruction counts (global loads/stores, shuffles,
 shared-memory traffic = layout conversions, barriers, FMAs).
 
-    python benchmarks/aot_resources.py [--arch 90] [--configs '8,1,0,0,1' '32,1,0,0,3' ...]
+    python benchmarks/aot_resources.py [--arch 90] [--launches two_phase_bv8_w1 replay_bv16_w1 ...]
 
 It runs the real launchers (`ring_decode`) on small CPU tensors with Triton's driver replaced by
 one that names the target and compiles instead of launching (Triton's own `warmup` path), so the
@@ -95,12 +95,6 @@ def cubin_report(kernel, tools: str) -> dict:
     return out
 
 
-def parse_config(text: str) -> tuple:
-    vals = [int(x) for x in text.split(",")]
-    vals[2:4] = [bool(v) for v in vals[2:4]]  # prefetch_ring, group_heads
-    return tuple(vals)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90 = Hopper)")
@@ -111,16 +105,16 @@ def main(argv=None):
     ap.add_argument("--state", choices=["fp32", "fp16", "bf16"], nargs="*", default=["fp32", "fp16"])
     ap.add_argument("--ring", choices=["fp32", "bf16", "fp16", "auto"], default="auto",
                     help="ring d/k dtype (auto: fp32 for an fp32 state, else the state's)")
-    ap.add_argument("--configs", nargs="*", default=["16,1,1,0", "32,1,1,0", "8,1,0,0,1", "8,1,0,0,3",
-                                                    "16,1,0,0,3", "32,1,0,0,3", "32,2,0,0,3"],
-                    help="launch configs BV,num_warps,prefetch,group_heads[,mode[,nsplit]]")
+    ap.add_argument("--launches", nargs="*", default=["fused_bv16_w1", "fused_bv32_w1", "two_phase_bv8_w1",
+                                                     "replay_bv8_w1", "replay_bv16_w1", "replay_bv32_w1"],
+                    help="launches by name (DecodeLaunch.name: form_bvN_wM[_pdl][_tc])")
     args = ap.parse_args(argv)
 
     import torch
     import triton
 
     compiled, tver = install_compile_only_driver(args.arch)
-    from replayssm_patch._vendored.ring_decode import ring_decode
+    from replayssm_patch._vendored import DecodeLaunch, override_launch, ring_decode
 
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     dts = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -128,28 +122,29 @@ def main(argv=None):
     V = K
     N, slots = 4, 8
     print(f"triton {tver}, sm_{args.arch}, H={H} HV={HV} K=V={K} L={L}")
-    print(f"{'state':5s} {'ring':5s} {'config':16s} {'kernel':22s} {'warps':>5s} {'regs':>4s} {'stack':>5s} "
+    print(f"{'state':5s} {'ring':5s} {'launch':20s} {'kernel':22s} {'warps':>5s} {'regs':>4s} {'stack':>5s} "
           f"{'smem':>6s} {'instr':>6s} {'LDG':>4s} {'STG':>4s} {'SHFL':>5s} {'LDS':>4s} {'STS':>4s} "
           f"{'BAR':>4s} {'FFMA':>5s} {'spill':>5s} {'async':>5s}")
     for sname in args.state:
         sdt = dts[sname]
         rdt = dts[args.ring] if args.ring != "auto" else sdt
-        for ctext in args.configs:
-            cfg = parse_config(ctext)
+        for ctext in args.launches:
+            launch = DecodeLaunch.from_name(ctext)
             compiled.clear()
             qkv = torch.randn(N, 2 * H * K + HV * V).to(torch.bfloat16)
             a = torch.randn(N, HV).to(torch.bfloat16)
             b = torch.randn(N, HV).to(torch.bfloat16)
-            ring_decode(qkv, a, b, torch.zeros(HV), torch.zeros(HV), K ** -0.5,
-                        torch.zeros(slots, HV, V, K, dtype=sdt), torch.empty(N, 1, HV, V, dtype=torch.bfloat16),
-                        torch.arange(1, N + 1, dtype=torch.int32), torch.zeros(slots, HV, L, V, dtype=rdt),
-                        torch.zeros(slots, H, L, K, dtype=rdt), torch.zeros(slots, HV, L),
-                        torch.zeros(slots, dtype=torch.int32), config=cfg)
+            with override_launch(decode=launch):
+                ring_decode(qkv, a, b, torch.zeros(HV), torch.zeros(HV), K ** -0.5,
+                            torch.zeros(slots, HV, V, K, dtype=sdt), torch.empty(N, 1, HV, V, dtype=torch.bfloat16),
+                            torch.arange(1, N + 1, dtype=torch.int32), torch.zeros(slots, HV, L, V, dtype=rdt),
+                            torch.zeros(slots, H, L, K, dtype=rdt), torch.zeros(slots, HV, L),
+                            torch.zeros(slots, dtype=torch.int32))
             for name, warps, k in compiled:
                 r = cubin_report(k, tools)
                 s = r["sass"]
                 spill = s.get("local loads (spills)", 0) + s.get("local stores (spills)", 0)
-                print(f"{sname:5s} {str(rdt)[6:]:5s} {ctext:16s} {name:22s} {warps or 4:5d} {r['reg']:4d} "
+                print(f"{sname:5s} {str(rdt)[6:]:5s} {ctext:20s} {name:22s} {warps or 4:5d} {r['reg']:4d} "
                       f"{r['stack']:5d} {r['shared']:6d} {s.get('instructions', 0):6d} "
                       f"{s.get('global loads', 0):4d} {s.get('global stores', 0):4d} "
                       f"{s.get('warp shuffles', 0):5d} {s.get('shared loads', 0):4d} "

@@ -38,6 +38,11 @@
 #   bash benchmarks/gpu_run.sh vltree .work/vl033.tar.xz   # unpack it to /tmp/vl
 #   bash benchmarks/gpu_run.sh ktest                        # tests/gpu, errors to $OUT
 #   bash benchmarks/gpu_run.sh kbench [kernel_decode.py args]
+#   bash benchmarks/gpu_run.sh kab DIR [LABEL [TEST_REPORT]]   # the kernel benchmark once per ring
+#     dtype (bf16 ring: every state dtype; fp32 ring: fp32 state), each with the kernel package
+#     copied to DIR (e.g. `git archive COMMIT replayssm_patch/_vendored`) as a baseline arm, then
+#     the verify kernel benchmark; to $OUT/kernel_decode{,_fp32ring}.{json,md}, kernel_spec.{json,md}
+#   bash benchmarks/gpu_run.sh probe      # what imports for Hopper kernel work, to $OUT/gpu_probe.json
 #   bash benchmarks/gpu_run.sh mtpprof   # (needs install) MTP T=3 batch 256, AB, with
 #     --profile-batches 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
 set -euo pipefail
@@ -122,6 +127,17 @@ case "${1:?step}" in
     RING_KERNEL_GPU_REPORT="$OUT/gpu_test_errors.jsonl" python3 -m pytest -q -n 8 ${KTESTS:-tests/gpu/test_ring_kernel_gpu.py} 2>&1 | tail -15 ;;
   kbench)
     shift; python3 benchmarks/kernel_decode.py --vllm-root /tmp/vl --out-dir "$OUT" "$@" 2>&1 | tail -80 ;;
+  kab)
+    base=${2:?baseline dir}; label=${3:-baseline}; rep=${4:+--test-report $4}; rc=0
+    python3 benchmarks/kernel_decode.py --vllm-root /tmp/vl --out-dir "$OUT" --no-sweep --reps 15 \
+      --baseline "$base" --baseline-label "$label" $rep 2>&1 | tail -70 || rc=1
+    python3 benchmarks/kernel_decode.py --vllm-root /tmp/vl --out-dir "$OUT" --no-sweep --reps 15 --dtypes fp32 \
+      --ring-dtype fp32 --json-name kernel_decode_fp32ring --baseline "$base" --baseline-label "$label" $rep \
+      2>&1 | tail -30 || rc=1
+    python3 benchmarks/kernel_spec.py --vllm-root /tmp/vl --out-dir "$OUT" 2>&1 | tail -20 || rc=1
+    exit $rc ;;
+  probe)
+    python3 benchmarks/gpu_probe.py --out "$OUT/gpu_probe.json" ;;
   mtpprof)
     python3 benchmarks/e2e_decode.py --mtp 3 --batches 256 --order AB --repeats 1 --cudagraph-mode FULL_DECODE_ONLY \
       --compile-mode 0 --profile-batches 256 --out "$OUT/mtp3_profile.json" 2>&1 | tail -20 ;;

@@ -23,10 +23,15 @@ time, the live ring entries read, one ring entry written on non-flush steps, qkv
 output written) over the device-to-device copy bandwidth measured in the same run (a 4 GiB
 torch copy, bytes read + written).
 
-Each cell also times the swept launch configurations (SWEEP) of the same kernel. After a run,
-`--rescore results.json` re-picks every cell's configuration with the current launch table
-(ring_decode.pick_decode_config) and takes its time from that run's sweep, so a table tuned on
-a run is reported from that run's measurements (no GPU needed, nothing re-measured).
+Each cell also times the swept launches (SWEEP) of the same kernels, unless --no-sweep. After a
+run, `--rescore results.json` re-picks every cell's launch with the current table
+(`replayssm_patch._vendored.pick_decode_launch`) and takes its time from that run's sweep, so a
+table tuned on a run is reported from that run's measurements (no GPU needed, nothing re-measured).
+
+`--baseline DIR` adds a third arm in the same interleaved replays: the kernel package found in
+DIR (a copy of another commit's `replayssm_patch/_vendored`, e.g. from `git archive`), with its
+own launch table, on the same buffers. Its per-cell ratio (`vs_baseline` = baseline / ours time)
+is the same-run A/B a refactor of the kernels is judged by.
 
 Writes <out-dir>/kernel_decode.json (with a `summary`) and <out-dir>/kernel_decode.md.
 """
@@ -49,6 +54,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from replayssm_patch._vendored import DecodeLaunch, override_launch, pick_decode_launch, ring_decode  # noqa: E402
+
 SHAPES = [("qwen3.5-122b", 16, 64), ("qwen3-next", 16, 32)]
 HEAD_DIM = 128
 STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -56,25 +63,14 @@ ACT_DTYPE = torch.bfloat16
 RING_DTYPE = torch.bfloat16
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 L = 16
-# Launch configurations (BV, num_warps, prefetch_ring, group_heads) timed beside the
-# shipped heuristic (see ring_decode.pick_decode_config).
-# A fifth element 1 / 2 selects the two-phase launch (prep + main kernel; 2 = with programmatic
-# dependent launch).
-# Modes 3 / 4 are the replay-vector two-phase launch (4 = with PDL); their sixth element is the
-# prep kernel's warps. A true sixth (fused) or seventh (two-phase) element runs the flush on
-# tensor cores. Forms tried and dropped on 2026-12-01 (tensor-core mat-vecs, a pipelined
-# chunk-loop main kernel, a prep kernel over all value heads at once) are in
-# benchmarks/results/kernel_decode_sweeps_2026-12-01/README.md. (The sweeps
-# of earlier sessions, with more fused and chunk-loop forms, are in
-# benchmarks/results/kernel_decode_sweep*.json.)
-SWEEP = [(8, 1, True, False), (16, 1, True, False), (32, 1, True, False),
-         (8, 1, False, False, 1), (8, 1, False, False, 2),
-         (8, 1, False, False, 3, 1), (16, 1, False, False, 3, 1), (32, 1, False, False, 3, 1),
-         (16, 1, False, False, 4, 1), (32, 1, False, False, 4, 1),
-         (8, 2, True, False), (16, 2, True, False), (32, 2, True, False), (32, 4, True, False),
-         (64, 4, True, False),
-         (16, 1, True, False, 0, True), (32, 1, True, False, 0, True),  # tensor-core flush
-         (16, 1, False, False, 2, 0, True), (32, 1, False, False, 2, 0, True)]
+# Launches timed beside the table's pick (launch forms and settings: replayssm_patch._vendored.launch).
+# Forms and options tried and dropped are listed in docs/kernels.md, their numbers in
+# benchmarks/results/kernel_decode_sweep*.json and kernel_decode_sweeps_2026-12-01/.
+SWEEP = [DecodeLaunch("fused", bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4))] + [
+    DecodeLaunch("two_phase", 8), DecodeLaunch("two_phase", 8, pdl=True), DecodeLaunch("two_phase", 16),
+    DecodeLaunch("replay", 8), DecodeLaunch("replay", 16), DecodeLaunch("replay", 32),
+    DecodeLaunch("fused", 16, flush_tc=True), DecodeLaunch("fused", 32, flush_tc=True),
+    DecodeLaunch("two_phase", 16, pdl=True, flush_tc=True), DecodeLaunch("two_phase", 32, pdl=True, flush_tc=True)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -138,6 +134,26 @@ def load_native(vllm_root=None):
     return fr.fused_recurrent_gated_delta_rule_packed_decode, vllm.__version__, how
 
 
+def load_baseline(path):
+    """ring_decode of the kernel package copied to `path` (loaded under its own name, so both
+    packages live in one process): the package's export, or its ring_decode module's (the
+    layout before 2026-12-02)."""
+    import importlib
+    import importlib.util
+
+    name = "baseline_kernels"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=[path])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[name] = pkg
+        spec.loader.exec_module(pkg)
+    try:
+        return getattr(sys.modules[name], "ring_decode")
+    except AttributeError:
+        return importlib.import_module(f"{name}.ring_decode").ring_decode
+
+
 # --------------------------------------------------------------------------------------------
 # Buffers
 # --------------------------------------------------------------------------------------------
@@ -166,12 +182,16 @@ class Layer:
         self.native_state = self.state.clone() if native else None
         self.native_out = torch.empty_like(self.out)
 
-    def ours(self, config=None):
-        from replayssm_patch._vendored.ring_decode import ring_decode
-
-        ring_decode(self.qkv, self.a, self.b, self.A_log, self.dt_bias, HEAD_DIM ** -0.5, self.state,
-                    self.out, self.idx, self.ring_d, self.ring_k, self.ring_g, self.cursor,
-                    config=config)
+    def ours(self, launch=None, decode_fn=None):
+        """One step through our ring decode (`launch` None: the table's pick), or through
+        `decode_fn` (the baseline package's ring_decode, with its own table)."""
+        args = (self.qkv, self.a, self.b, self.A_log, self.dt_bias, HEAD_DIM ** -0.5, self.state,
+                self.out, self.idx, self.ring_d, self.ring_k, self.ring_g, self.cursor)
+        if decode_fn is not None:
+            decode_fn(*args)
+            return
+        with override_launch(decode=launch):
+            ring_decode(*args)
 
     def native(self, fn):
         fn(self.qkv, self.a, self.b, self.A_log, self.dt_bias, HEAD_DIM ** -0.5, self.native_state,
@@ -197,15 +217,19 @@ def bytes_per_step(B, H, HV, sdt):
 # --------------------------------------------------------------------------------------------
 
 def _compile_job(job):
-    kind, H, HV, sdt_name, config, vllm_root = job
+    kind, H, HV, sdt_name, launch, extra = job
     try:
         gen = torch.Generator(device="cuda").manual_seed(0)
         layer = Layer(2, H, HV, STATE_DTYPES[sdt_name], gen)
         if kind == "native":
-            fn, _, _ = load_native(vllm_root)
+            fn, _, _ = load_native(extra)
             layer.native(fn)
+        elif kind == "baseline":  # its table at every batch of the run
+            fn = load_baseline(extra)
+            for B in launch:
+                Layer(B, H, HV, STATE_DTYPES[sdt_name], gen, native=False).ours(decode_fn=fn)
         else:
-            layer.ours(config)
+            layer.ours(launch)
         torch.cuda.synchronize()
         return None
     except Exception as e:  # reported, the main process compiles it again anyway
@@ -280,22 +304,16 @@ def copy_bandwidth():
     return 2 * n * 4 / t  # bytes read + written per second
 
 
-def cfg_name(cfg):
-    bv, w, pre = cfg[:3]
-    if len(cfg) > 4 and cfg[4] in (3, 4):
-        pw = cfg[5] if len(cfg) > 5 and cfg[5] else 1
-        return f"replay_bv{bv}_w{w}_p{pw}{'_pdl' if cfg[4] == 4 else ''}"
-    if len(cfg) > 4 and cfg[4]:
-        split = f"_s{cfg[5]}" if len(cfg) > 5 and cfg[5] else ""
-        tc = "_tcflush" if len(cfg) > 6 and cfg[6] else ""
-        return f"2phase_bv{bv}_w{w}{'_pf' if pre else ''}{split}{'_pdl' if cfg[4] == 2 else ''}{tc}"
-    grp = len(cfg) > 3 and cfg[3]
-    tc = "_tcflush" if len(cfg) > 5 and cfg[5] else ""
-    return f"bv{bv}_w{w}_{'prefetch' if pre else 'masked'}{'_grouped' if grp else ''}{tc}"
+def swept(args):
+    """The SWEEP launches this run times (none with --no-sweep; tensor-core flushes only with a
+    16-bit ring)."""
+    if not args.sweep:
+        return []
+    return [c for c in SWEEP if (args.sweep_only is None or c.name in args.sweep_only)
+            and not (c.flush_tc and RING_DTYPE == torch.float32)]
 
 
 def run(args):
-    from replayssm_patch._vendored.ring_decode import pick_decode_config
     import triton
 
     native_fn, vllm_version, vllm_how = load_native(args.vllm_root)
@@ -309,11 +327,12 @@ def run(args):
     for _, H, HV in shapes:
         for sdt_name in dtypes:
             jobs.append(("native", H, HV, sdt_name, None, args.vllm_root))
-            cfgs = {c for c in (SWEEP if args.sweep else [])
-                    if args.sweep_only is None or cfg_name(c) in args.sweep_only}
-            cfgs |= {pick_decode_config(b, HV, HEAD_DIM, HEAD_DIM, STATE_DTYPES[sdt_name], dev, H, RING_DTYPE, L) for b in batches}
-            for c in sorted(cfgs):
-                jobs.append(("ours", H, HV, sdt_name, c, args.vllm_root))
+            if args.baseline:
+                jobs.append(("baseline", H, HV, sdt_name, tuple(batches), args.baseline))
+            launches = set(swept(args))
+            launches |= {pick_decode_launch(b, HV, STATE_DTYPES[sdt_name], RING_DTYPE, L, dev) for b in batches}
+            for c in sorted(launches, key=lambda c: c.name):
+                jobs.append(("ours", H, HV, sdt_name, c, None))
     print(f"pre-compiling {len(jobs)} kernels with {args.workers} workers", flush=True)
     errors = precompile(jobs, args.workers)
     for e in errors:
@@ -333,7 +352,9 @@ def run(args):
                   "CUDA events, median; us per layer-step",
         "L": L, "reps": args.reps, "sweep_reps": args.sweep_reps,
         "precompile_errors": errors,
+        "baseline": args.baseline_label if args.baseline else None,
     }
+    baseline_fn = load_baseline(args.baseline) if args.baseline else None
     rows = []
     for shape_name, H, HV in shapes:
         for sdt_name in dtypes:
@@ -344,17 +365,19 @@ def run(args):
                 NL = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / per_layer)))
                 gen = torch.Generator(device="cuda").manual_seed(B * 131 + HV)
                 layers = [Layer(B, H, HV, sdt, gen) for _ in range(NL)]
-                heur = pick_decode_config(B, HV, HEAD_DIM, HEAD_DIM, sdt, dev, H, RING_DTYPE, L)
+                heur = pick_decode_launch(B, HV, sdt, RING_DTYPE, L, dev)
                 graphs = {"native": capture(lambda ly: ly.native(native_fn), layers),
                           "ours": capture(lambda ly: ly.ours(None), layers)}
+                if baseline_fn is not None:
+                    graphs["baseline"] = capture(lambda ly: ly.ours(decode_fn=baseline_fn), layers)
+                arms = list(graphs)
                 for ly in layers:
                     assert torch.equal(ly.cursor, ly.cursor0), "a cycle must return the cursors"
-                sweep_cfgs = [c for c in (SWEEP if args.sweep else []) if c != heur
-                              and (args.sweep_only is None or cfg_name(c) in args.sweep_only)]
+                sweep_cfgs = [c for c in swept(args) if c != heur]
                 for c in sweep_cfgs:
-                    graphs[cfg_name(c)] = capture(lambda ly, c=c: ly.ours(c), layers)
-                main = time_graphs({k: graphs[k] for k in ("native", "ours")}, args.reps)
-                sweep = time_graphs({k: graphs[k] for k in graphs if k not in ("native", "ours")},
+                    graphs[c.name] = capture(lambda ly, c=c: ly.ours(c), layers)
+                main = time_graphs({k: graphs[k] for k in arms}, args.reps)
+                sweep = time_graphs({k: graphs[k] for k in graphs if k not in arms},
                                     args.sweep_reps) if sweep_cfgs else {}
                 for ly in layers:
                     assert torch.equal(ly.cursor, ly.cursor0), "a cycle must return the cursors"
@@ -363,7 +386,7 @@ def run(args):
                 t_nat = statistics.median(main["native"]) / steps * 1e3  # us per layer-step
                 t_our = statistics.median(main["ours"]) / steps * 1e3
                 spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in main.items()}
-                sweep_us = {cfg_name(heur): t_our}
+                sweep_us = {heur.name: t_our}
                 sweep_us.update({k: statistics.median(v) / steps * 1e3 for k, v in sweep.items()})
                 best = min(sweep_us, key=sweep_us.get)
                 roof_us = b_ours / bw * 1e6
@@ -373,7 +396,7 @@ def run(args):
                     "batch": B, "layers": NL,
                     "native_us": round(t_nat, 3), "ours_us": round(t_our, 3),
                     "speedup": round(t_nat / t_our, 4),
-                    "ours_config": cfg_name(heur),
+                    "ours_config": heur.name,
                     "bytes_ours": int(b_ours), "bytes_native": int(b_native),
                     "roofline_us": round(roof_us, 3),
                     "roofline_fraction": round(roof_us / t_our, 4),
@@ -383,10 +406,15 @@ def run(args):
                     "best_config": best,
                     "best_speedup": round(t_nat / sweep_us[best], 4),
                 }
+                if baseline_fn is not None:
+                    t_base = statistics.median(main["baseline"]) / steps * 1e3
+                    row["baseline_us"] = round(t_base, 3)
+                    row["vs_baseline"] = round(t_base / t_our, 4)
                 rows.append(row)
                 print(f"{shape_name:13s} {sdt_name} B={B:4d} NL={NL:3d} native {t_nat:9.2f} us  ours {t_our:9.2f} us "
-                      f"x{t_nat / t_our:5.2f}  roof {roof_us / t_our:5.1%}  [{cfg_name(heur)}; best {best} "
-                      f"{sweep_us[best]:.2f}]", flush=True)
+                      f"x{t_nat / t_our:5.2f}  roof {roof_us / t_our:5.1%}  [{heur.name}; best {best} "
+                      f"{sweep_us[best]:.2f}]" + (f"  vs baseline x{row['vs_baseline']:.3f}" if baseline_fn else ""),
+                      flush=True)
                 del graphs, layers
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
@@ -415,6 +443,7 @@ def finalize(rows, meta):
         "target_speedup_ge_1_everywhere": all(r["speedup"] >= 1.0 for r in rows),
         "target_roofline_ge_0.9_b64plus_fp32_fp16": bool(big) and all(r["roofline_fraction"] >= 0.9 for r in big),
     }
+    summary.update(per_dtype_summary(rows))
     tests = []
     if args.test_report and os.path.exists(args.test_report):
         with open(args.test_report) as f:
@@ -429,29 +458,53 @@ def finalize(rows, meta):
     return summary
 
 
+def per_dtype_summary(rows):
+    """Minima by state width (fp32 / 16-bit), over the cells where the end-to-end dispatch
+    (replayssm_patch.dispatch.AUTO_MIN_BATCH) sends decode through the ring, and the same-run
+    ratio to the baseline kernels where that arm ran."""
+    from replayssm_patch.dispatch import AUTO_MIN_BATCH
+
+    def lo(sel, key):
+        vals = [r[key] for r in rows if sel(r)]
+        return min(vals) if vals else None
+
+    def wide(r):
+        return r["state_dtype"] == "fp32"
+
+    def min_batch(r):
+        return AUTO_MIN_BATCH[("cuda", not wide(r))]
+
+    out = {
+        "min_roofline_fraction_b64plus_fp32": lo(lambda r: wide(r) and r["batch"] >= 64, "roofline_fraction"),
+        "min_roofline_fraction_b64plus_16bit": lo(lambda r: not wide(r) and r["batch"] >= 64, "roofline_fraction"),
+        "min_speedup_b512_fp32": lo(lambda r: wide(r) and r["batch"] == 512, "speedup"),
+        "min_speedup_b512_16bit": lo(lambda r: not wide(r) and r["batch"] == 512, "speedup"),
+        "min_speedup_where_dispatched": lo(lambda r: r["batch"] >= min_batch(r), "speedup"),
+        "dispatch_min_batch": {"fp32": AUTO_MIN_BATCH[("cuda", False)], "16bit": AUTO_MIN_BATCH[("cuda", True)]},
+    }
+    ratios = [r["vs_baseline"] for r in rows if "vs_baseline" in r]
+    if ratios:
+        out.update({"vs_baseline_median": round(statistics.median(ratios), 4), "vs_baseline_min": min(ratios),
+                    "vs_baseline_max": max(ratios), "vs_baseline_cells": len(ratios)})
+    return out
+
+
 def rescore(path, test_report=None, note=None):
-    """Re-pick each row's configuration with the current `pick_decode_config` and take its time
-    from the same run's sweep (no new measurement; every table entry is a swept config)."""
-    from replayssm_patch._vendored.ring_decode import pick_decode_config
+    """Re-pick each row's launch with the current table and take its time from the same run's
+    sweep (no new measurement; every table entry must have been swept)."""
+    import replayssm_patch._vendored.launch as launch_table
 
     with open(path) as f:
         res = json.load(f)
     dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-    class _Dev:  # the run's SM count, not this machine's
-        type = "cuda"
-
-    import replayssm_patch._vendored.ring_decode as rd
-
     sms = res.get("sms", 132)
-    orig = rd._num_sms
-    rd._num_sms = lambda device: sms
+    orig = launch_table.num_sms
+    launch_table.num_sms = lambda device: sms  # the run's SM count, not this machine's
     try:
         for r in res["rows"]:
             # a CUDA device type: the launch table's GPU-only rows apply (nothing runs here)
-            cfg = pick_decode_config(r["batch"], r["HV"], r["K"], r["V"], dtypes[r["state_dtype"]], "cuda", r["H"],
-                                     dtypes[r.get("ring_dtype", "bf16")], r.get("L", L))
-            name = cfg_name(cfg)
+            name = pick_decode_launch(r["batch"], r["HV"], dtypes[r["state_dtype"]],
+                                      dtypes[r.get("ring_dtype", "bf16")], r.get("L", L), "cuda").name
             if name not in r["sweep_us"]:
                 raise SystemExit(f"{name} was not swept for {r['shape']} {r['state_dtype']} B={r['batch']}")
             t = r["sweep_us"][name]
@@ -460,12 +513,12 @@ def rescore(path, test_report=None, note=None):
             r["shipped_speedup"] = round(r["native_us"] / t, 4)
             r["shipped_roofline_fraction"] = round(r["roofline_us"] / t, 4)
     finally:
-        rd._num_sms = orig
+        launch_table.num_sms = orig
     rows = res["rows"]
     big = [r for r in rows if r["batch"] >= 64 and r["state_dtype"] in ("fp32", "fp16")]
     worst = min(rows, key=lambda r: r["shipped_speedup"])
     s = res["summary"]
-    s["shipped_table"] = ("ring_decode.pick_decode_config after this run; times are this run's "
+    s["shipped_table"] = ("pick_decode_launch after this run; times are this run's "
                           f"sweep replays ({res['sweep_reps']} repeats each)")
     s["at_run_time"] = {k: s.pop(k) for k in ("min_speedup", "min_speedup_at", "max_speedup",
                                              "min_roofline_fraction_b64plus",
@@ -515,7 +568,15 @@ def render_md(res):
         + (f" ({s['speedup_ge_1_cells']} cells)" if "speedup_ge_1_cells" in s else "")
         + f"; roofline >= 0.9 at B >= 64: {s['target_roofline_ge_0.9_b64plus_fp32_fp16']}.",
         "",
+        "By state width: " + ", ".join(f"{k} = {s.get(k)}" for k in (
+            "min_roofline_fraction_b64plus_fp32", "min_roofline_fraction_b64plus_16bit", "min_speedup_b512_fp32",
+            "min_speedup_b512_16bit", "min_speedup_where_dispatched")) + f" (dispatch: {s.get('dispatch_min_batch')}).",
+        "",
     ]
+    if "vs_baseline_median" in s:
+        out += [f"Same-run A/B against the baseline kernels ({res.get('baseline')}): baseline time / ours, median "
+                f"**{s['vs_baseline_median']}** (min {s['vs_baseline_min']}, max {s['vs_baseline_max']}) over "
+                f"{s['vs_baseline_cells']} cells; per cell in the last column.", ""]
     if shipped:
         out += [
             f"The `ours` columns use the launch table shipped after this run ({s['shipped_table']}). "
@@ -534,15 +595,17 @@ def render_md(res):
     else:
         out += [
             "| shape | state | batch | native us | ours us | speedup | ours % roofline | "
-            "native % copy-bw roofline | ours config | best swept config (us) |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+            "native % copy-bw roofline | ours config | best swept config (us) |"
+            + (" baseline / ours |" if "vs_baseline_median" in s else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|" if "vs_baseline_median" in s else ""),
         ]
         for r in res["rows"]:
             out.append(
                 f"| {r['shape']} (H={r['H']}, HV={r['HV']}) | {r['state_dtype']} | {r['batch']} | "
                 f"{r['native_us']:.2f} | {r['ours_us']:.2f} | {r['speedup']:.2f} | "
                 f"{100 * r['roofline_fraction']:.1f} | {100 * r['native_roofline_fraction']:.1f} | "
-                f"{r['ours_config']} | {r['best_config']} ({r['sweep_us'][r['best_config']]:.2f}) |")
+                f"{r['ours_config']} | {r['best_config']} ({r['sweep_us'][r['best_config']]:.2f}) |"
+                + (f" {r['vs_baseline']:.3f} |" if "vs_baseline" in r else ""))
     out += ["", "All swept configurations per cell (us per layer-step) are in the JSON (`sweep_us`)."]
     for note in res.get("notes", []):
         out += ["", f"Note: {note}"]
@@ -571,7 +634,10 @@ def main(argv=None):
     ap.add_argument("--ring-dtype", choices=["bf16", "fp32"], default="bf16",
                     help="ring d/k dtype (the integration uses fp32 rings for fp32 states by default)")
     ap.add_argument("--sweep-only", nargs="*", default=None, metavar="NAME",
-                    help="time only these swept configurations (cfg_name form) beside the shipped one")
+                    help="time only these swept launches (DecodeLaunch.name) beside the table's pick")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="a copy of another commit's replayssm_patch/_vendored: timed as a third arm")
+    ap.add_argument("--baseline-label", default="baseline", help="what --baseline is (kept in the results)")
     ap.add_argument("--json-name", default="kernel_decode", help="results file stem in --out-dir")
     ap.add_argument("--test-report", default=None, help="JSON lines written by the GPU tests")
     ap.add_argument("--rescore", default=None, metavar="JSON",

@@ -10,11 +10,9 @@ Arms, in one process on one GPU, on the same inputs:
   an unpacked vLLM tree or an installed vLLM) with 1+T state slots per request: it reads the
   slot of the last accepted token and writes the state after every token of the window;
 * ours: `ring_verify` (one checkpoint slot per request + a 32-entry replay ring; the delayed
-  commit of the previous window from num_accepted runs inside the same step), in its default
-  launch form (mode="parallel": prep kernel per (row, key head), main kernel per (row, value
-  head, BV value rows), finish kernel per (row, key head));
-* ours serial: `ring_verify(..., mode="serial")` (one program per (row, key head)), for
-  comparison.
+  commit of the previous window from num_accepted runs inside the same step): prep kernel per
+  (row, key head), main kernel per (row, value head, BV value rows), finish kernel per (row,
+  key head).
 
 Shape: Qwen3.5-9B / Qwen3-Next GDN (H=16, HV=32, K=V=128), fp32 SSM state (Qwen3.5's
 default), bf16 activations, fp32 ring (the integration's default for an fp32 state).
@@ -34,14 +32,14 @@ with random accepted counts) and reports the largest relative output difference.
 GDN cache bytes per request at T = 7 (Qwen3.5-9B GDN layer, conv state bf16, vLLM's page =
 conv + SSM state): native keeps 1+T pages, ours one page plus the ring.
 
-Writes <out-dir>/kernel_spec.json (with `summary.speedup_b256_t8` (default form),
-`summary.speedup_b256_t8_serial` and `summary.gdn_cache_bytes_ratio_t7`) and
-<out-dir>/kernel_spec.md.
+Writes <out-dir>/kernel_spec.json (with `summary.speedup_b256_t8` and
+`summary.gdn_cache_bytes_ratio_t7`) and <out-dir>/kernel_spec.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -58,6 +56,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from replayssm_patch._vendored import VerifyLaunch, override_launch, ring_verify  # noqa: E402
+
 H, HV, HEAD = 16, 32, 128
 STATE_DTYPE = torch.float32
 ACT_DTYPE = torch.bfloat16
@@ -69,9 +69,9 @@ STEPS = 8  # steps per captured graph (one acceptance table)
 REPLAYS = 15
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 32
-PARALLEL_CONFIG = None  # (BV, num_warps) for the parallel form; None: ring_verify's default
-# (BV, num_warps), as the GPU tests' launches
-SWEEP_CONFIGS = [(8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
+VERIFY_LAUNCH = None  # a VerifyLaunch for ring_verify's main kernel; None: its default
+# as the GPU tests' launches
+SWEEP_LAUNCHES = [VerifyLaunch(bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4))]
 SWEEP_CELLS = [(8, 256), (8, 64), (4, 16)]  # (T, batch)
 CONV_KERNEL = 4
 NATIVE_FILE = os.path.join("vllm", "third_party", "flash_linear_attention", "ops", "fused_sigmoid_gating.py")
@@ -160,12 +160,10 @@ class Layer:
             self.nidx = torch.arange(1, slots, dtype=torch.int32, device=dev).view(B, W)
             self.nstate[self.nidx[:, 0].long()] = s0.to(STATE_DTYPE)
 
-    def ours(self, acc, mode=None):
-        from replayssm_patch._vendored.ring_verify import ring_verify
-
-        ring_verify(self.qkv, self.a, self.b, self.A_log, self.dt_bias, self.kd ** -0.5, self.state, self.out,
-                    self.idx, self.cu, self.ring_d, self.ring_k, self.ring_g, self.cursor, acc, self.W,
-                    mode=mode, config=PARALLEL_CONFIG if mode in (None, "parallel") else None)
+    def ours(self, acc):
+        with override_launch(verify=VERIFY_LAUNCH):
+            ring_verify(self.qkv, self.a, self.b, self.A_log, self.dt_bias, self.kd ** -0.5, self.state, self.out,
+                        self.idx, self.cu, self.ring_d, self.ring_k, self.ring_g, self.cursor, acc, self.W)
         return self.out
 
     def native(self, fn, acc):
@@ -210,7 +208,7 @@ def acceptance_table(B, T, steps, seed, mode, dev):
 # Sanity check: both kernels from the same state
 # --------------------------------------------------------------------------------------------
 
-def sanity(native_fn, dev, B=4, T=3, shape=(H, HV, HEAD), mode=None):
+def sanity(native_fn, dev, B=4, T=3, shape=(H, HV, HEAD)):
     gen = torch.Generator(device=dev).manual_seed(7)
     lay = Layer(B, T, gen, dev, shape=shape)
     worst = 0.0
@@ -223,7 +221,7 @@ def sanity(native_fn, dev, B=4, T=3, shape=(H, HV, HEAD), mode=None):
             lay.q.copy_(q.reshape(lay.q.shape))
             lay.k.copy_(k.reshape(lay.k.shape))
             lay.v.copy_(v.reshape(lay.v.shape))
-        o_ours = lay.ours(acc, mode).float().clone()
+        o_ours = lay.ours(acc).float().clone()
         o_nat = lay.native(native_fn, acc).float().reshape(o_ours.shape)
         err = float((o_ours - o_nat).norm() / o_nat.norm())
         worst = max(worst, err)
@@ -290,13 +288,12 @@ def time_cell(native_fn, B, T, dev):
     acc_u = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
     acc_all = acceptance_table(B, T, STEPS, seed=0, mode="all", dev=dev)
 
-    def run_ours(table, mode=None):
-        return arm_steps(ours, table, lambda lay, acc: lay.ours(acc, mode))
+    def run_ours(table):
+        return arm_steps(ours, table, lambda lay, acc: lay.ours(acc))
 
-    # ours and ours_all_accepted: the default (parallel) form; ours_serial: mode="serial" (the
-    # arms share the ring buffers: each replay continues from the cursors the last one left)
+    # (ours and ours_all_accepted share the ring buffers: each replay continues from the cursors
+    # the last one left)
     graphs = {"ours": (_capture(run_ours(acc_u)), nl_o), "ours_all_accepted": (_capture(run_ours(acc_all)), nl_o),
-              "ours_serial": (_capture(run_ours(acc_u, "serial")), nl_o),
               "native": (_capture(arm_steps(nat, acc_u, lambda lay, acc: lay.native(native_fn, acc))), nl_n)}
     med = median_us(graphs, REPLAYS)
     ok = all(torch.isfinite(lay.out.float()).all() for lay in ours)
@@ -304,10 +301,8 @@ def time_cell(native_fn, B, T, dev):
     torch.cuda.empty_cache()
     return {"B": B, "T": T, "layers_ours": nl_o, "layers_native": nl_n,
             "us_native": med["native"], "us_ours": med["ours"], "us_ours_all_accepted": med["ours_all_accepted"],
-            "us_ours_serial": med["ours_serial"],
             "speedup": med["native"] / med["ours"],
             "speedup_all_accepted": med["native"] / med["ours_all_accepted"],
-            "speedup_serial": med["native"] / med["ours_serial"],
             "native_GBps": bytes_per_layer(B, T, "native") / (med["native"] * 1e-6) / 1e9,
             "ours_outputs_finite": bool(ok)}
 
@@ -359,26 +354,26 @@ def profile_cells(native_fn, dev, out_dir, cells=((8, 256), (4, 16))):
 
 
 def sweep(native_fn, dev, out_dir):
-    """Launch configurations (BV, num_warps) of the parallel form at a few cells, native in the
-    same graphs' rotation; prints one line per variant and writes kernel_spec_sweep.json."""
-    global PARALLEL_CONFIG
+    """The main kernel's launches (SWEEP_LAUNCHES) at a few cells, native in the same graphs'
+    rotation; prints one line per launch and writes kernel_spec_sweep.json."""
+    global VERIFY_LAUNCH
     rows = []
     for T, B in SWEEP_CELLS:
         ours, nat = cell_layers(B, T, dev)
         acc_u = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
         graphs = {"native": (_capture(arm_steps(nat, acc_u, lambda lay, acc: lay.native(native_fn, acc))), len(nat))}
-        for cfg in SWEEP_CONFIGS:
-            PARALLEL_CONFIG = cfg  # read by Layer.ours while the graph is captured
+        for cfg in SWEEP_LAUNCHES:
+            VERIFY_LAUNCH = cfg  # read by Layer.ours while the graph is captured
             try:
                 graphs[cfg] = (_capture(arm_steps(ours, acc_u, lambda lay, acc: lay.ours(acc))), len(ours))
             except Exception as e:  # a config that does not compile is reported, not fatal
                 print(f"T={T} B={B} {cfg}: failed: {e!r}"[:300], flush=True)
-        PARALLEL_CONFIG = None
+        VERIFY_LAUNCH = None
         med = median_us(graphs, 5)
         for key, us in med.items():
             if key == "native":
                 continue
-            row = {"T": T, "B": B, "config": list(key), "us_ours": us, "us_native": med["native"],
+            row = {"T": T, "B": B, "launch": [key.block_v, key.num_warps], "us_ours": us, "us_native": med["native"],
                    "speedup": med["native"] / us}
             rows.append(row)
             print(json.dumps({k: (round(x, 2) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
@@ -387,7 +382,7 @@ def sweep(native_fn, dev, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "kernel_spec_sweep.json"), "w") as f:
         json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "device": torch.cuda.get_device_name(0), "mode": "parallel", "rows": rows}, f, indent=1)
+                   "device": torch.cuda.get_device_name(0), "rows": rows}, f, indent=1)
 
 
 def write_results(res, out_dir):
@@ -403,25 +398,22 @@ def write_results(res, out_dir):
         f"fp32 ring of L={L}; CUDA graphs, median of {REPLAYS} replays of {STEPS} steps; "
         "time per layer-step in microseconds. Accepted counts uniform in 1..T+1 "
         "(\"all accepted\": every window fully accepted, the ring's worst case). \"ours\" is "
-        "`ring_verify`'s default launch form (parallel: prep kernel per (row, key head), main kernel "
-        "per (row, value head, BV value rows), finish kernel per (row, key head)); \"serial\" is mode=\"serial\" (one program per "
-        "(row, key head)).",
+        "`ring_verify` (prep kernel per (row, key head), main kernel per (row, value head, BV value "
+        "rows), finish kernel per (row, key head)).",
         "",
         f"Sanity check (same state, two steps, T=3, B=4): max relative output difference "
-        f"{res['sanity_rel_diff']:.2e} (parallel), {res['sanity_rel_diff_serial']:.2e} (serial).",
+        f"{res['sanity_rel_diff']:.2e}.",
         "",
-        "| T | batch | native us | ours us | speedup | ours all-accepted us | speedup all-accepted "
-        "| serial us | serial speedup |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| T | batch | native us | ours us | speedup | ours all-accepted us | speedup all-accepted |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in res["cells"]:
         lines.append(f"| {c['T']} | {c['B']} | {c['us_native']:.1f} | {c['us_ours']:.1f} | {c['speedup']:.2f}x | "
-                     f"{c['us_ours_all_accepted']:.1f} | {c['speedup_all_accepted']:.2f}x | "
-                     f"{c['us_ours_serial']:.1f} | {c['speedup_serial']:.2f}x |")
+                     f"{c['us_ours_all_accepted']:.1f} | {c['speedup_all_accepted']:.2f}x |")
     lines += [
         "",
         f"speedup at batch 256, T=8: {s['speedup_b256_t8']:.2f}x (all accepted: "
-        f"{s['speedup_b256_t8_all_accepted']:.2f}x; serial form: {s['speedup_b256_t8_serial']:.2f}x)",
+        f"{s['speedup_b256_t8_all_accepted']:.2f}x)",
         "",
         f"GDN cache bytes per request and layer at T=7 (conv + SSM state pages; ours + fp32 ring, L={L}): "
         f"native {s['gdn_cache_bytes_t7']['native']} B, ours {s['gdn_cache_bytes_t7']['ours']} B, "
@@ -443,18 +435,15 @@ def cache_summary():
 def smoke(native_fn, info):
     """CPU run under TRITON_INTERPRET=1: the wiring of all arms at a tiny shape (no timing)."""
     err = sanity(native_fn, "cpu", B=4, T=3, shape=(2, 4, 32))
-    err_s = sanity(native_fn, "cpu", B=4, T=3, shape=(2, 4, 32), mode="serial")
-    print(json.dumps({"smoke": True, "native": info, "sanity_rel_diff": err, "sanity_rel_diff_serial": err_s,
-                      **cache_summary()}))
+    print(json.dumps({"smoke": True, "native": info, "sanity_rel_diff": err, **cache_summary()}))
     # ragged acceptance over several steps, every arm finite
     gen = torch.Generator(device="cpu").manual_seed(1)
     lay = Layer(3, 2, gen, "cpu", shape=(2, 4, 32))
     for acc in acceptance_table(3, 2, 4, seed=3, mode="uniform", dev="cpu"):
         assert torch.isfinite(lay.ours(acc).float()).all()
-        assert torch.isfinite(lay.ours(acc, "serial").float()).all()
         assert torch.isfinite(lay.native(native_fn, acc).float()).all()
-    if max(err, err_s) > 2e-2:
-        raise SystemExit(f"sanity check failed: ours vs native rel diff {err} (serial {err_s})")
+    if err > 2e-2:
+        raise SystemExit(f"sanity check failed: ours vs native rel diff {err}")
     return err
 
 
@@ -463,16 +452,16 @@ def main(argv=None):
     ap.add_argument("--vllm-root", default=None, help="folder holding an unpacked vllm/ package")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1")
-    ap.add_argument("--parallel-config", default=None, metavar="BV,WARPS",
-                    help="launch config of the parallel form (default: ring_verify's)")
+    ap.add_argument("--launch", default=None, metavar="BV,WARPS",
+                    help="the main kernel's launch (default: VerifyLaunch())")
     ap.add_argument("--sweep", action="store_true",
-                    help="time the parallel form's launch configs at a few cells, then stop")
+                    help="time the main kernel's launches at a few cells, then stop")
     ap.add_argument("--profile", action="store_true",
                     help="device time per kernel and the memory roofline at T=8/B=256 and T=4/B=16, then stop")
     args = ap.parse_args(argv)
-    global PARALLEL_CONFIG
-    if args.parallel_config:
-        PARALLEL_CONFIG = tuple(int(x) for x in args.parallel_config.split(","))
+    global VERIFY_LAUNCH
+    if args.launch:
+        VERIFY_LAUNCH = VerifyLaunch(*(int(x) for x in args.launch.split(",")))
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment")
     native_fn, info = load_native(args.vllm_root)
@@ -492,10 +481,9 @@ def main(argv=None):
     if args.profile:
         profile_cells(native_fn, dev, args.out_dir)
         return 0
-    err_s = sanity(native_fn, dev, mode="serial")
-    print(f"sanity: ours vs native max rel output diff {err:.2e} (serial form {err_s:.2e})", flush=True)
-    if max(err, err_s) > 2e-2:
-        raise SystemExit(f"sanity check failed: ours vs native rel diff {err} (serial {err_s})")
+    print(f"sanity: ours vs native max rel output diff {err:.2e}", flush=True)
+    if err > 2e-2:
+        raise SystemExit(f"sanity check failed: ours vs native rel diff {err}")
     cells = []
     for T in TS:
         for B in BATCHES:
@@ -508,10 +496,10 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
         "native": info, "shape": {"H": H, "HV": HV, "K": HEAD, "V": HEAD, "L": L, "state": "fp32",
                                   "activations": "bf16", "ring": str(RING_DTYPE).replace("torch.", "")},
-        "steps_per_graph": STEPS, "replays": REPLAYS, "sanity_rel_diff": err, "sanity_rel_diff_serial": err_s,
-        "cells": cells, "default_mode": "parallel", "parallel_config": PARALLEL_CONFIG,
+        "steps_per_graph": STEPS, "replays": REPLAYS, "sanity_rel_diff": err, "cells": cells,
+        "launch": dataclasses.asdict(VERIFY_LAUNCH or VerifyLaunch()),
         "summary": {"speedup_b256_t8": pick["speedup"], "speedup_b256_t8_all_accepted": pick["speedup_all_accepted"],
-                    "speedup_b256_t8_serial": pick["speedup_serial"], **cache_summary()},
+                    **cache_summary()},
         "seconds": round(time.time() - t0, 1),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
     }

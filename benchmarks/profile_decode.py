@@ -3,11 +3,11 @@
 
     ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
         python benchmarks/profile_decode.py --vllm-root /tmp/vl --batch 512 --hv 64 --state fp16 \
-        --configs 32,1,1,0,0 8,1,0,0,1
+        --launches fused_bv32_w1 two_phase_bv8_w1
 
-Arms: vLLM's native packed decode, then ours with each given launch configuration
-(BV,num_warps,prefetch,group_heads,mode; see ring_decode.pick_decode_config). Each arm runs twice
-(the first call compiles); profile the second (ncu --launch-skip / -k filters).
+Arms: vLLM's native packed decode, then ours with each given launch (by DecodeLaunch.name; see
+replayssm_patch._vendored.launch). Each arm runs twice (the first call compiles); profile the
+second (ncu --launch-skip / -k filters).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main():
     ap.add_argument("--h", type=int, default=16)
     ap.add_argument("--hv", type=int, default=64)
     ap.add_argument("--state", choices=list(kd.STATE_DTYPES), default="fp16")
-    ap.add_argument("--configs", nargs="*", default=[])
+    ap.add_argument("--launches", nargs="*", default=[], help="launch names, form_bvN_wM[_pdl][_tc]")
     ap.add_argument("--ring-dtype", choices=["bf16", "fp32"], default="bf16")
     args = ap.parse_args()
     kd.RING_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.ring_dtype]
@@ -41,11 +41,10 @@ def main():
     layer = kd.Layer(args.batch, args.h, args.hv, kd.STATE_DTYPES[args.state], gen)
     for _ in range(2):
         layer.native(fn)
-    for c in args.configs:
-        cfg = tuple(int(x) for x in c.split(","))
-        cfg = (cfg[0], cfg[1], bool(cfg[2]), bool(cfg[3])) + tuple(cfg[4:])
+    for name in args.launches:
+        launch = kd.DecodeLaunch.from_name(name)
         for _ in range(2):
-            layer.ours(cfg)
+            layer.ours(launch)
     torch.cuda.synchronize()
 
 

@@ -3,10 +3,10 @@
 
     ncu -k regex:_ring_verify_block --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section Occupancy --section LaunchStats \
-        python benchmarks/profile_spec.py --vllm-root /tmp/vl --batch 256 --drafts 8 --config 16,1
+        python benchmarks/profile_spec.py --vllm-root /tmp/vl --batch 256 --drafts 8 --launch 16,1
 
 Builds one kernel_spec layer (Qwen3.5-9B GDN shape, fp32 state, fp32 ring) and runs ours
-(the parallel form with the given launch config) and vLLM's native kernel
+(with the given launch of its main kernel) and vLLM's native kernel
 three times each, accepted counts uniform in 1..T+1.
 """
 
@@ -30,10 +30,10 @@ def main():
     ap.add_argument("--vllm-root", default=None)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--drafts", type=int, default=8)
-    ap.add_argument("--config", default=None, metavar="BV,WARPS")
+    ap.add_argument("--launch", default=None, metavar="BV,WARPS", help="the main kernel's VerifyLaunch")
     args = ap.parse_args()
-    if args.config:
-        ks.PARALLEL_CONFIG = tuple(int(x) for x in args.config.split(","))
+    if args.launch:
+        ks.VERIFY_LAUNCH = ks.VerifyLaunch(*(int(x) for x in args.launch.split(",")))
     native_fn, _ = ks.load_native(args.vllm_root)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lay = ks.Layer(args.batch, args.drafts, gen, "cuda")

@@ -10,6 +10,7 @@ from collections import Counter
 
 import torch
 
+from . import _vendored as lib
 from . import cpu_ring
 from .numerics import FLA_NUMERICS, KernelNumerics
 from ._vendored import ring_reference as ref
@@ -19,16 +20,10 @@ counters: Counter = Counter()
 
 def gpu_kernels_available() -> tuple[bool, str]:
     try:
-        from ._vendored import ring_decode as _  # noqa: F401
+        from ._vendored import decode, verify  # noqa: F401 (loading them initialises triton)
     except Exception as e:  # ImportError, or triton failing to initialise
         return False, f"{type(e).__name__}: {e}"
     return True, ""
-
-
-def _gpu():
-    from ._vendored import ring_decode
-
-    return ring_decode
 
 
 def _cuda_numerics(numerics: KernelNumerics) -> None:
@@ -46,7 +41,7 @@ def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ri
     check_committed(ring, state_indices[: mixed_qkv.shape[0]])
     counters["decode_rows"] += int(mixed_qkv.shape[0])
     if state.is_cuda:
-        result = _gpu().ring_decode(
+        result = lib.ring_decode(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
             ring.d, ring.k, ring.g, ring.cursor,
             force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
@@ -83,14 +78,14 @@ def materialize(state, ring, slots, start_empty=None):
     `start_empty` flag (one per entry of `slots`) is set drops its stale ring instead."""
     counters["materialize_calls"] += 1
     check_committed(ring, slots)
-    fn = _gpu().ring_materialize if state.is_cuda else ref.ring_materialize_reference
+    fn = lib.ring_materialize if state.is_cuda else ref.ring_materialize_reference
     fn(state, ring.d, ring.k, ring.g, ring.cursor, slots, start_empty)
 
 
 def reset(ring, slots):
     """Empty the rings of `slots` (<= 0 ignored); the checkpoint is left as it is."""
     counters["reset_calls"] += 1
-    fn = _gpu().ring_reset if ring.cursor.is_cuda else ref.ring_reset_reference
+    fn = lib.ring_reset if ring.cursor.is_cuda else ref.ring_reset_reference
     fn(ring.cursor, slots)
 
 
@@ -98,12 +93,6 @@ def reset(ring, slots):
 # Speculative decoding: the cursor word holds `n | pending << 8` (ring_reference.pack_cursor), so a
 # slot carries its uncommitted verify window between steps with no extra buffer.
 # --------------------------------------------------------------------------------------------
-
-def _gpu_verify():
-    from ._vendored import ring_verify
-
-    return ring_verify
-
 
 def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens, ring,
                 num_accepted, max_tokens, numerics: KernelNumerics = FLA_NUMERICS):
@@ -119,7 +108,7 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     counters["verify_calls"] += 1
     counters["verify_rows"] += rows
     if state.is_cuda:
-        return _gpu_verify().ring_verify(
+        return lib.ring_verify(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
             ring.d, ring.k, ring.g, ring.cursor, num_accepted, max_tokens, use_qk_l2norm=True)
     L = ring.g.shape[-1]
@@ -148,7 +137,7 @@ def commit(ring, slots, num_accepted):
     counters["commit_calls"] += 1
     L = ring.g.shape[-1]
     if ring.cursor.is_cuda:
-        _gpu_verify().ring_commit(ring.cursor, slots, num_accepted, L)
+        lib.ring_commit(ring.cursor, slots, num_accepted, L)
         return
     n, pending = ref.unpack_cursor(ring.cursor)
     ref.ring_commit_pending_reference(n, pending, slots, num_accepted, L)

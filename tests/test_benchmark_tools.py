@@ -106,3 +106,65 @@ def test_e2e_mtp_summary_keys(tmp_path):
     s = mod.finish(_args(mod, tmp_path, plot=None, mtp=3, compile_mode=0, cudagraph_mode="FULL_DECODE_ONLY"),
                    runs)["summary"]
     assert s["config"] == "full_decode_only_no_compile" and s["speedup_t3_b64"] == 1.25
+
+
+def _kernel_row(shape, sdt, batch, native, ours, baseline=None):
+    row = {"shape": shape, "H": 16, "HV": 32, "K": 128, "V": 128, "state_dtype": sdt, "ring_dtype": "bf16", "L": 16,
+           "batch": batch, "native_us": native, "ours_us": ours, "speedup": round(native / ours, 4),
+           "ours_config": "fused_bv16_w1", "roofline_us": ours * 0.8, "roofline_fraction": 0.8,
+           "native_roofline_fraction": 0.8, "sweep_us": {"fused_bv16_w1": ours}, "best_config": "fused_bv16_w1",
+           "best_speedup": round(native / ours, 4)}
+    if baseline is not None:
+        row["baseline_us"] = baseline
+        row["vs_baseline"] = round(baseline / ours, 4)
+    return row
+
+
+def test_kernel_summary_by_state_width_dispatch_and_baseline(tmp_path):
+    pytest.importorskip("triton")
+    mod = _load("kernel_decode")
+    rows = [
+        _kernel_row("qwen3-next", "fp32", 1, 10.0, 8.0, 8.1),
+        _kernel_row("qwen3-next", "fp32", 512, 300.0, 200.0, 198.0),
+        _kernel_row("qwen3-next", "bf16", 64, 50.0, 55.0, 55.0),   # below the 16-bit dispatch threshold
+        _kernel_row("qwen3-next", "bf16", 128, 90.0, 80.0, 84.0),
+        _kernel_row("qwen3-next", "bf16", 512, 200.0, 160.0, 161.0),
+    ]
+    s = mod.per_dtype_summary(rows)
+    assert s["min_speedup_b512_fp32"] == 1.5 and s["min_speedup_b512_16bit"] == 1.25
+    # bf16 at batch 64 is not dispatched to the ring: its 0.91 does not count
+    assert s["min_speedup_where_dispatched"] == 1.125
+    assert s["dispatch_min_batch"] == {"fp32": 1, "16bit": 128}
+    assert s["vs_baseline_cells"] == 5 and s["vs_baseline_max"] == 1.05 and s["vs_baseline_min"] == 0.99
+    assert s["vs_baseline_median"] == 1.0063  # of 1.0125, 0.99, 1.0, 1.05, 1.0063
+    import argparse
+
+    args = argparse.Namespace(test_report=None, out_dir=str(tmp_path), json_name="k")
+    meta = {"args": args, "bw": 4e12, "gpu": "H200", "sms": 132, "torch": "t", "triton": "t", "vllm": "v",
+            "vllm_loaded_as": "x", "python": "3", "date": "d", "command": "c", "method": "m", "L": 16, "reps": 3,
+            "sweep_reps": 1, "precompile_errors": [], "baseline": "commit bd22395"}
+    mod.finalize(rows, meta)
+    md = (tmp_path / "k.md").read_text()
+    assert "baseline / ours" in md and "commit bd22395" in md and "median **1.0063**" in md
+
+
+def test_kernel_baseline_loads_either_package_layout(tmp_path):
+    pytest.importorskip("triton")
+    import shutil
+    import sys
+
+    mod = _load("kernel_decode")
+    new = tmp_path / "new"
+    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "_vendored"), new)
+    fn = mod.load_baseline(str(new))
+    assert fn.__module__ == "baseline_kernels.decode" and fn.__name__ == "ring_decode"
+    for name in [m for m in sys.modules if m.startswith("baseline_kernels")]:
+        del sys.modules[name]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "__init__.py").write_text('"""The layout before the split: no exports."""\n')
+    (old / "ring_decode.py").write_text("def ring_decode(*args):\n    return len(args)\n")
+    fn = mod.load_baseline(str(old))
+    assert fn.__module__ == "baseline_kernels.ring_decode" and fn(1, 2, 3) == 3
+    for name in [m for m in sys.modules if m.startswith("baseline_kernels")]:
+        del sys.modules[name]

@@ -47,13 +47,12 @@ def _make_rings(torch, slots, H, HV, K, V, L, rdt, gen, cursor_init):
 
 
 def _run_cycles(
-    *, H, HV, K, V, L, sdt, rdt, adt, steps, config=None, seed=0, strided=False,
+    *, H, HV, K, V, L, sdt, rdt, adt, steps, launch=None, seed=0, strided=False,
     use_force=False, use_start_empty=False, out4=False, l2norm=True, full_ring=False, tol_out, tol_state,
 ):
     import torch
 
-    from replayssm_patch._vendored.ring_decode import ring_decode
-    from replayssm_patch._vendored.ring_reference import ring_decode_reference
+    from replayssm_patch._vendored import override_launch, ring_decode, ring_decode_reference
 
     gen = torch.Generator().manual_seed(seed)
     slots = 2 * L + 3
@@ -95,8 +94,8 @@ def _run_cycles(
         o_mine = torch.full(shape, float("nan"), dtype=adt)
         o_ref = torch.full(shape, float("nan"), dtype=adt)
         seen_cursors.update(int(c) for c in cur[idx[idx > 0].long()])
-        ring_decode(qkv, a, b, A_log, dt_bias, K ** -0.5, mine[0], o_mine, idx, *mine[1:], ff, se,
-                    l2norm, config=config)
+        with override_launch(decode=launch):  # None: the table's pick
+            ring_decode(qkv, a, b, A_log, dt_bias, K ** -0.5, mine[0], o_mine, idx, *mine[1:], ff, se, l2norm)
         ring_decode_reference(qkv, a, b, A_log, dt_bias, K ** -0.5, ref[0], o_ref, idx, *ref[1:], ff, se,
                               l2norm)
         assert not torch.isnan(o_mine).any(), f"step {step}: NaN in the output (unwritten?)"
@@ -126,28 +125,35 @@ def _run_cycles(
     return {"out_rel": worst_out, "state_rel": worst_state}
 
 
+def _launch(form, block_v, **kw):
+    from replayssm_patch._vendored import DecodeLaunch
+
+    return DecodeLaunch(form, block_v, **kw)
+
+
 def case_fp32_gqa2_blocks():
     import torch
 
-    # V=32 in two value blocks of 16 (P = HV*2 tickets per row), all ring entries prefetched.
+    # V=32 in two value blocks of 16 (P = HV*2 tickets per row).
     return _run_cycles(H=2, HV=4, K=32, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
-                       adt=torch.float32, steps=9, config=(16, 1, True), full_ring=True, tol_out=1e-5, tol_state=1e-5)
+                       adt=torch.float32, steps=9, launch=_launch("fused", 16), full_ring=True,
+                       tol_out=1e-5, tol_state=1e-5)
 
 
-def case_fp32_grouped_heads_two_blocks():
+def case_fp32_fused_four_blocks_of_8():
     import torch
 
-    # One program per key head looping over its 2 value heads, V in two blocks of 16.
+    # The table's smallest tiles: V=32 in four blocks of 8 (P = HV*4 tickets per row).
     return _run_cycles(H=2, HV=4, K=32, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
-                       adt=torch.float32, steps=9, config=(16, 1, False, True), full_ring=True,
+                       adt=torch.float32, steps=9, launch=_launch("fused", 8), full_ring=True,
                        seed=6, tol_out=1e-5, tol_state=1e-5)
 
 
-def case_fp32_masked_ring_force_flush_start_empty():
+def case_fp32_fused_force_flush_start_empty():
     import torch
 
     return _run_cycles(H=1, HV=3, K=16, V=32, L=5, sdt=torch.float32, rdt=torch.float32,
-                       adt=torch.float32, steps=11, config=(32, 1, False, True), use_force=True,
+                       adt=torch.float32, steps=11, launch=_launch("fused", 32), use_force=True,
                        use_start_empty=True, full_ring=True, seed=1, tol_out=1e-5, tol_state=1e-5)
 
 
@@ -163,11 +169,11 @@ def case_fp16_state_strided_k64():
     import torch
 
     return _run_cycles(H=2, HV=2, K=64, V=64, L=3, sdt=torch.float16, rdt=torch.float16,
-                       adt=torch.float16, steps=4, strided=True, seed=3, config=(32, 1, False),
+                       adt=torch.float16, steps=4, strided=True, seed=3, launch=_launch("fused", 32),
                        tol_out=5e-3, tol_state=5e-3)
 
 
-def case_fp32_no_l2norm_default_config():
+def case_fp32_no_l2norm_table_launch():
     import torch
 
     # A bf16 ring: a d entry that lands on a rounding boundary may round one ulp apart in the
@@ -183,7 +189,7 @@ def case_two_phase_fp32_flags_full_ring():
     # The prep + main kernel launch: force_flush, start_empty, n == L, null/padded rows, GQA 2,
     # two value blocks per head.
     return _run_cycles(H=2, HV=4, K=16, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
-                       adt=torch.float32, steps=9, config=(16, 1, False, False, 1), full_ring=True,
+                       adt=torch.float32, steps=9, launch=_launch("two_phase", 16), full_ring=True,
                        use_force=True, use_start_empty=True, tol_out=1e-5, tol_state=1e-5)
 
 
@@ -191,7 +197,7 @@ def case_two_phase_bf16_strided_gqa3():
     import torch
 
     return _run_cycles(H=1, HV=3, K=16, V=16, L=3, sdt=torch.bfloat16, rdt=torch.bfloat16,
-                       adt=torch.bfloat16, steps=7, config=(16, 1, False, False, 1), strided=True,
+                       adt=torch.bfloat16, steps=7, launch=_launch("two_phase", 16, pdl=True), strided=True,
                        out4=True, seed=6, tol_out=2e-2, tol_state=2e-2)
 
 
@@ -201,7 +207,7 @@ def case_replay_two_phase_fp32_flags_full_ring():
     # The replay-vector prep + main launch: force_flush, start_empty, n == L, null/padded rows,
     # GQA 2, two value blocks per head.
     return _run_cycles(H=2, HV=4, K=16, V=32, L=4, sdt=torch.float32, rdt=torch.float32,
-                       adt=torch.float32, steps=9, config=(16, 1, False, False, 3), full_ring=True,
+                       adt=torch.float32, steps=9, launch=_launch("replay", 16), full_ring=True,
                        use_force=True, use_start_empty=True, seed=8, tol_out=1e-5, tol_state=1e-5)
 
 
@@ -209,15 +215,15 @@ def case_replay_two_phase_bf16_strided_gqa3_no_l2norm():
     import torch
 
     return _run_cycles(H=1, HV=3, K=16, V=16, L=3, sdt=torch.bfloat16, rdt=torch.bfloat16,
-                       adt=torch.bfloat16, steps=7, config=(16, 1, False, False, 4), strided=True,
+                       adt=torch.bfloat16, steps=7, launch=_launch("replay", 8), strided=True,
                        out4=True, l2norm=False, seed=9, tol_out=2e-2, tol_state=2e-2)
 
 
 def case_materialize_reset():
     import torch
 
-    from replayssm_patch._vendored.ring_decode import ring_materialize, ring_reset
-    from replayssm_patch._vendored.ring_reference import ring_materialize_reference, ring_reset_reference
+    from replayssm_patch._vendored import (ring_materialize, ring_materialize_reference, ring_reset,
+                                           ring_reset_reference)
 
     gen = torch.Generator().manual_seed(5)
     H, HV, K, V, L, slots = 2, 4, 32, 32, 5, 8
@@ -252,8 +258,7 @@ def case_materialize_drops_start_empty_rows():
     0, checkpoint bit-identical), while the other rows flush as usual."""
     import torch
 
-    from replayssm_patch._vendored.ring_decode import ring_materialize
-    from replayssm_patch._vendored.ring_reference import ring_materialize_reference
+    from replayssm_patch._vendored import ring_materialize, ring_materialize_reference
 
     gen = torch.Generator().manual_seed(6)
     H, HV, K, V, L, slots = 1, 2, 16, 16, 4, 6
@@ -281,7 +286,7 @@ def case_tc_flush_fused_fp16_flags_full_ring():
     # The tensor-core flush of the fused kernel (fp16 ring: the interpreter's fp16 dots are
     # right): poisoned entries past every cursor, forced flushes, n == L, GQA 2, two blocks.
     return _run_cycles(H=2, HV=4, K=32, V=32, L=16, sdt=torch.float16, rdt=torch.float16,
-                       adt=torch.float32, steps=6, config=(16, 1, True, False, 0, True), full_ring=True,
+                       adt=torch.float32, steps=6, launch=_launch("fused", 16, flush_tc=True), full_ring=True,
                        use_force=True, seed=11, tol_out=2e-3, tol_state=2e-3)
 
 
@@ -290,41 +295,41 @@ def case_tc_flush_two_phase_fp32_state_start_empty():
 
     # The two-phase main kernel's tensor-core flush; an fp32 checkpoint keeps its accuracy.
     return _run_cycles(H=1, HV=2, K=32, V=16, L=12, sdt=torch.float32, rdt=torch.float16,
-                       adt=torch.float32, steps=14, config=(16, 1, False, False, 1, 0, True),
+                       adt=torch.float32, steps=14, launch=_launch("two_phase", 16, pdl=True, flush_tc=True),
                        use_start_empty=True, seed=12, tol_out=1e-5, tol_state=1e-5)
 
 
 def case_tc_flush_refused_where_it_cannot_run():
     import torch
 
-    from replayssm_patch._vendored.ring_decode import pick_decode_config, ring_decode
+    from replayssm_patch._vendored import DecodeLaunch, override_launch, pick_decode_launch, ring_decode
 
     H, HV, K, V, slots, N = 1, 2, 16, 16, 3, 2
     for L, rdt, BV in ((16, torch.bfloat16, 16), (16, torch.float32, 16), (8, torch.float16, 16),
                        (16, torch.float16, 8)):
         try:
-            ring_decode(torch.randn(N, 2 * H * K + HV * V), torch.randn(N, HV), torch.randn(N, HV),
-                        torch.zeros(HV), torch.zeros(HV), 0.25, torch.zeros(slots, HV, V, K),
-                        torch.zeros(N, HV, V), torch.tensor([1, 2], dtype=torch.int32),
-                        torch.zeros(slots, HV, L, V, dtype=rdt), torch.zeros(slots, H, L, K, dtype=rdt),
-                        torch.zeros(slots, HV, L), torch.zeros(slots, dtype=torch.int32),
-                        config=(BV, 1, True, False, 0, True))
+            with override_launch(decode=DecodeLaunch("fused", BV, flush_tc=True)):
+                ring_decode(torch.randn(N, 2 * H * K + HV * V), torch.randn(N, HV), torch.randn(N, HV),
+                            torch.zeros(HV), torch.zeros(HV), 0.25, torch.zeros(slots, HV, V, K),
+                            torch.zeros(N, HV, V), torch.tensor([1, 2], dtype=torch.int32),
+                            torch.zeros(slots, HV, L, V, dtype=rdt), torch.zeros(slots, H, L, K, dtype=rdt),
+                            torch.zeros(slots, HV, L), torch.zeros(slots, dtype=torch.int32))
         except ValueError as e:
             assert "tensor-core flush" in str(e), e
             continue
         raise AssertionError(f"tensor-core flush accepted with L={L}, ring {rdt}, BV={BV}")
     # The launch table asks for it only where it runs: never with a bf16 ring off the GPU.
     for pairs_rows in (1, 4, 40):
-        cfg = pick_decode_config(pairs_rows, 32, 128, 128, torch.bfloat16, "cpu", 16, torch.bfloat16, 16)
-        assert not any(c is True for c in cfg[5:]), cfg
-    assert pick_decode_config(1, 32, 128, 128, torch.bfloat16, "cpu", 16, torch.float16, 16)[5:] == (True,)
+        launch = pick_decode_launch(pairs_rows, 32, torch.bfloat16, torch.bfloat16, 16, "cpu")
+        assert not launch.flush_tc, launch
+    assert pick_decode_launch(1, 32, torch.bfloat16, torch.float16, 16, "cpu").flush_tc
     return {}
 
 
 def case_rejects_bad_inputs():
     import torch
 
-    from replayssm_patch._vendored.ring_decode import ring_decode
+    from replayssm_patch._vendored import ring_decode
 
     H, HV, K, V, L, slots, N = 1, 2, 16, 16, 4, 3, 2
     args = dict(
@@ -353,11 +358,11 @@ def case_rejects_bad_inputs():
 
 CASES = [
     case_fp32_gqa2_blocks,
-    case_fp32_grouped_heads_two_blocks,
-    case_fp32_masked_ring_force_flush_start_empty,
+    case_fp32_fused_four_blocks_of_8,
+    case_fp32_fused_force_flush_start_empty,
     case_bf16_state_bf16_ring_gqa8_out4,
     case_fp16_state_strided_k64,
-    case_fp32_no_l2norm_default_config,
+    case_fp32_no_l2norm_table_launch,
     case_two_phase_fp32_flags_full_ring,
     case_two_phase_bf16_strided_gqa3,
     case_replay_two_phase_fp32_flags_full_ring,

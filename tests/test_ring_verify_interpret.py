@@ -11,8 +11,8 @@ Every case draws fresh random inputs; per step each row verifies a random number
 value is seen), rings start with random committed entries and NaN past them, outputs are
 poisoned with NaN, a NULL-slot row and a padded row are in the batch, and tokens outside every
 row must stay untouched. Ring lengths are small, so flushes happen during pending windows and
-committed windows fill the ring to its end (n == L). The numeric cases run once per launch form
-of `ring_verify` (mode="parallel", the default, and mode="serial").
+committed windows fill the ring to its end (n == L). The fp32 cases run the main kernel with
+blocks of 16 value rows and 4 warps (an `override_launch`), the bf16 case with the default launch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import sys
 if __name__ == "__main__":  # the subprocess: interpret mode before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
-import functools
 import importlib.util
 
 import pytest
@@ -36,17 +35,21 @@ def _rel(x, ref):
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_state, config=None, mode=None,
+def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_state, launch=None,
               out4=False, check_decode_after=False):
     """`steps` speculative steps (window up to W = T + 1 tokens) on the kernel and the reference."""
     import torch
 
-    from replayssm_patch._vendored.ring_reference import (
+    from replayssm_patch._vendored import (
+        override_launch,
+        pack_cursor,
+        ring_commit,
         ring_commit_pending_reference,
+        ring_decode,
         ring_decode_reference,
         ring_spec_verify_reference,
+        ring_verify,
     )
-    from replayssm_patch._vendored.ring_verify import pack_cursor, ring_commit, ring_verify
 
     gen = torch.Generator().manual_seed(seed)
     W = T + 1
@@ -98,8 +101,9 @@ def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_sta
         o_ref = torch.full(shape, float("nan"), dtype=f64)
         c_before = ref["cursor"].clone()
         p_before = ref["pending"].clone()
-        ring_verify(qkv, a, b, A_log, dt_bias, K ** -0.5, mine["state"], o_mine, idx, cu,
-                    mine["d"], mine["k"], mine["g"], mine["word"], acc, W, config=config, mode=mode)
+        with override_launch(verify=launch):  # None: the default launch
+            ring_verify(qkv, a, b, A_log, dt_bias, K ** -0.5, mine["state"], o_mine, idx, cu,
+                        mine["d"], mine["k"], mine["g"], mine["word"], acc, W)
         ring_spec_verify_reference(qkv, a, b, A_log, dt_bias, K ** -0.5, ref["state"], o_ref, idx, cu,
                                    ref["d"], ref["k"], ref["g"], ref["cursor"], ref["pending"], acc)
         for i in valid:
@@ -139,8 +143,6 @@ def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_sta
     info = {"out_rel": worst_out, "state_rel": worst_state, "flushes": flushes, "full_rings": full_rings}
     if check_decode_after:
         # After a standalone commit the slots hold the plain entry count ring_decode expects.
-        from replayssm_patch._vendored.ring_decode import ring_decode
-
         acc = torch.randint(1, W + 1, (N,), generator=gen).to(torch.int32)
         ring_commit(mine["word"], idx, acc, L)
         ring_commit_pending_reference(ref["cursor"], ref["pending"], idx, acc, L)
@@ -162,35 +164,41 @@ def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_sta
     return info
 
 
-def case_fp32_t3_gqa2_ragged(mode):
+def _blocks_of_16():
+    from replayssm_patch._vendored import VerifyLaunch
+
+    return VerifyLaunch(block_v=16, num_warps=4)
+
+
+def case_fp32_t3_gqa2_ragged():
     import torch
 
     # W up to 4 on an 8-entry ring: windows often do not fit, so verify flushes first.
     return _run_spec(H=2, HV=4, K=16, V=32, L=8, T=3, sdt=torch.float32, rdt=torch.float32,
                      adt=torch.float32, steps=10, seed=0, tol_out=1e-5, tol_state=1e-5,
-                     config=(16, 4), check_decode_after=True, mode=mode)
+                     launch=_blocks_of_16(), check_decode_after=True)
 
 
-def case_fp32_t7_ring16_out4(mode):
+def case_fp32_t7_ring16_out4():
     import torch
 
     # T = 7 (W = 8) on a 16-entry ring, one key head, value dim in two blocks.
     return _run_spec(H=1, HV=2, K=16, V=32, L=16, T=7, sdt=torch.float32, rdt=torch.float32,
                      adt=torch.float32, steps=10, seed=1, tol_out=1e-5, tol_state=1e-5,
-                     config=(16, 4), out4=True, mode=mode)
+                     launch=_blocks_of_16(), out4=True)
 
 
-def case_bf16_state_bf16_ring_t1(mode):
+def case_bf16_state_bf16_ring_t1():
     import torch
 
     return _run_spec(H=1, HV=2, K=16, V=16, L=4, T=1, sdt=torch.bfloat16, rdt=torch.bfloat16,
-                     adt=torch.bfloat16, steps=12, seed=2, tol_out=2e-2, tol_state=2e-2, mode=mode)
+                     adt=torch.bfloat16, steps=12, seed=2, tol_out=2e-2, tol_state=2e-2)
 
 
 def case_rejects_bad_inputs():
     import torch
 
-    from replayssm_patch._vendored.ring_verify import ring_commit, ring_verify
+    from replayssm_patch._vendored import ring_commit, ring_verify
 
     H, HV, K, V, L, slots, N, ntok = 1, 2, 16, 16, 8, 3, 2, 5
     args = dict(
@@ -202,8 +210,7 @@ def case_rejects_bad_inputs():
         ring_g=torch.zeros(slots, HV, L), cursor=torch.zeros(slots, dtype=torch.int32),
         num_accepted=torch.ones(N, dtype=torch.int32), max_tokens=3,
     )
-    ring_verify(**args)  # the good call runs, in both launch forms
-    ring_verify(**args, mode="serial")
+    ring_verify(**args)  # the good call runs
     bad = {
         "cursor": torch.zeros(slots, dtype=torch.int64),
         "ring_d": torch.zeros(slots, HV, L + 1, V),
@@ -214,7 +221,6 @@ def case_rejects_bad_inputs():
         "num_accepted": torch.ones(N, dtype=torch.float32),
         "max_tokens": L + 1,
         "a": torch.randn(ntok + 1, HV),
-        "mode": "fused",
     }
     for name, t in bad.items():
         try:
@@ -232,19 +238,8 @@ def case_rejects_bad_inputs():
     return {}
 
 
-MODES = ("parallel", "serial")  # ring_verify's two launch forms, same semantics
-
-
-def _named(fn, name):
-    fn.__name__ = name
-    return fn
-
-
-CASES = [
-    _named(functools.partial(case, mode), f"{case.__name__}[{mode}]")
-    for case in (case_fp32_t3_gqa2_ragged, case_fp32_t7_ring16_out4, case_bf16_state_bf16_ring_t1)
-    for mode in MODES
-] + [case_rejects_bad_inputs]
+CASES = [case_fp32_t3_gqa2_ragged, case_fp32_t7_ring16_out4, case_bf16_state_bf16_ring_t1,
+         case_rejects_bad_inputs]
 
 
 @pytest.fixture(scope="module")

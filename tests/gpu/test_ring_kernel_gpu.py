@@ -32,15 +32,15 @@ if os.environ.get("RING_KERNEL_TEST_DEVICE", "cuda") == "cuda" and not torch.cud
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from replayssm_patch._vendored.gdn_reference import recurrent_decode_reference  # noqa: E402
-from replayssm_patch._vendored.ring_decode import (  # noqa: E402
+from replayssm_patch._vendored import (  # noqa: E402
+    DecodeLaunch,
+    override_launch,
+    recurrent_decode_reference,
     ring_decode,
-    ring_materialize,
-    ring_reset,
-)
-from replayssm_patch._vendored.ring_reference import (  # noqa: E402
     ring_decode_reference,
+    ring_materialize,
     ring_materialize_reference,
+    ring_reset,
     ring_reset_reference,
 )
 
@@ -143,7 +143,7 @@ def _expected_cursor(cursor, idx, L, ff=None, se=None):
     return c
 
 
-def run_vs_float64(H, HV, K, V, L, sdt, rdt, *, cycles=3, config=None, seed=0, out_dtype=F32,
+def run_vs_float64(H, HV, K, V, L, sdt, rdt, *, cycles=3, launch=None, seed=0, out_dtype=F32,
                    n_real=None, strided=True):
     p = Problem(H, HV, K, V, L, sdt, rdt, seed, n_real=n_real, strided=strided)
     scale = K ** -0.5
@@ -163,7 +163,7 @@ def run_vs_float64(H, HV, K, V, L, sdt, rdt, *, cycles=3, config=None, seed=0, o
         expect_c = _expected_cursor(p.cursor, idx, L)
         if step >= L - 1:
             seen.update(int(p.cursor[s]) for s in idx[idx > 0].tolist())
-        ring_decode(qkv, a, b, p.A_log, p.dt_bias, scale, p.state, out, idx, *p.rings(), config=config)
+        decode(launch, qkv, a, b, p.A_log, p.dt_bias, scale, p.state, out, idx, *p.rings())
         recurrent_decode_reference(qkv, a, b, p.A_log, p.dt_bias, scale, p.truth, truth_out, idx)
         assert not torch.isnan(out).any(), f"step {step}: NaN in the output"
         assert (out[idx <= 0] == 0).all(), f"step {step}: null/padded rows must be zero"
@@ -186,8 +186,9 @@ def run_vs_float64(H, HV, K, V, L, sdt, rdt, *, cycles=3, config=None, seed=0, o
     return worst, state_rel
 
 
+D = DecodeLaunch
 CASES = [
-    # (name, H, HV, K, V, L, state dtype, ring dtype, config)
+    # (name, H, HV, K, V, L, state dtype, ring dtype, launch; None = the table's)
     ("gqa1_fp32", 2, 2, 128, 128, 16, F32, F32, None),
     ("gqa2_fp32", 2, 4, 128, 128, 16, F32, F32, None),
     ("gqa3_fp32", 2, 6, 128, 128, 16, F32, F32, None),
@@ -199,51 +200,51 @@ CASES = [
     ("gqa4_fp16", 2, 8, 128, 128, 16, F16, F16, None),
     ("gqa4_bf16", 2, 8, 128, 128, 16, BF16, BF16, None),
     ("k64_gqa3_bf16", 1, 3, 64, 64, 8, BF16, BF16, None),
-    ("gqa2_fp32_bv128_masked", 2, 4, 128, 128, 16, F32, F32, (128, 4, False)),
-    ("gqa2_fp32_bv64_masked", 2, 4, 128, 128, 16, F32, F32, (64, 2, False)),
-    ("gqa4_bf16_bv16_prefetch", 2, 8, 128, 128, 16, BF16, BF16, (16, 1, True)),
-    ("k64_fp16_bv64_masked", 2, 4, 64, 64, 16, F16, F16, (64, 2, False)),
-    ("gqa4_fp32_grouped_bv128", 2, 8, 128, 128, 16, F32, F32, (128, 4, False, True)),
-    ("gqa8_bf16_grouped_bv64", 1, 8, 128, 128, 16, BF16, BF16, (64, 2, False, True)),
-    ("gqa3_fp16_grouped_prefetch", 2, 6, 128, 128, 16, F16, F16, (32, 1, True, True)),
+    # fused launches at other tile sizes and warp counts
+    ("gqa2_fp32_fused_bv128_w4", 2, 4, 128, 128, 16, F32, F32, D("fused", 128, 4)),
+    ("gqa2_fp32_fused_bv64_w2", 2, 4, 128, 128, 16, F32, F32, D("fused", 64, 2)),
+    ("gqa4_bf16_fused_bv16", 2, 8, 128, 128, 16, BF16, BF16, D("fused", 16)),
+    ("k64_fp16_fused_bv64_w2", 2, 4, 64, 64, 16, F16, F16, D("fused", 64, 2)),
+    ("gqa3_fp16_fused_bv8", 2, 6, 128, 128, 16, F16, F16, D("fused", 8)),
     # two-phase launches (prep + main kernel), with and without programmatic dependent launch
-    ("gqa4_fp32_2phase_bv32", 2, 8, 128, 128, 16, F32, F32, (32, 1, False, False, 1)),
-    ("gqa4_fp32_bf16ring_2phase_pdl_bv16", 2, 8, 128, 128, 16, F32, BF16, (16, 1, False, False, 2)),
-    ("gqa3_bf16_2phase_pdl_bv32", 2, 6, 128, 128, 16, BF16, BF16, (32, 1, False, False, 2)),
-    ("k64_gqa2_fp16_2phase_bv8", 2, 4, 64, 64, 16, F16, F16, (8, 1, False, False, 1)),
-    ("gqa8_fp32_2phase_bv64_w2", 1, 8, 128, 128, 16, F32, F32, (64, 2, False, False, 1)),
-    # two-phase with each main program looping over chunks (next chunk prefetched or not)
-    ("gqa4_fp16_2phase_loop_prefetch", 2, 8, 128, 128, 16, F16, F16, (8, 1, True, False, 1, 1)),
-    ("gqa4_fp32_2phase_loop", 2, 8, 128, 128, 16, F32, F32, (16, 1, False, False, 1, 1)),
-    ("gqa3_bf16_2phase_pdl_split4_w4", 2, 6, 128, 128, 16, BF16, BF16, (32, 4, True, False, 2, 2)),
-    # replay-vector two-phase launches (prep folds the ring into r_q / r_k; 4 = with PDL)
-    ("gqa4_fp32_replay_bv32", 2, 8, 128, 128, 16, F32, F32, (32, 1, False, False, 3, 1)),
-    ("gqa2_fp32_bf16ring_replay_pdl_bv16", 2, 4, 128, 128, 16, F32, BF16, (16, 1, False, False, 4, 4)),
-    ("gqa3_bf16_replay_pdl_bv8", 2, 6, 128, 128, 16, BF16, BF16, (8, 1, False, False, 4, 2)),
-    ("k64_gqa2_fp16_replay_bv64_w2", 2, 4, 64, 64, 16, F16, F16, (64, 2, False, False, 3, 1)),
-    ("gqa8_fp32_replay_bv32_w2", 1, 8, 128, 128, 16, F32, F32, (32, 2, False, False, 3, 2)),
-    ("gqa1_fp16_replay_bv16", 2, 2, 128, 128, 16, F16, F16, (16, 1, False, False, 3, 1)),
-    ("gqa4_fp32_fp16ring_replay_pdl_bv32", 2, 8, 128, 128, 16, F32, F16, (32, 1, False, False, 4, 1)),
-    ("gqa8_fp32_replay_prep2_bv8", 1, 8, 128, 128, 16, F32, F32, (8, 1, False, False, 3, 2)),
+    ("gqa4_fp32_2phase_bv32", 2, 8, 128, 128, 16, F32, F32, D("two_phase", 32)),
+    ("gqa4_fp32_bf16ring_2phase_pdl_bv16", 2, 8, 128, 128, 16, F32, BF16, D("two_phase", 16, pdl=True)),
+    ("gqa3_bf16_2phase_pdl_bv32", 2, 6, 128, 128, 16, BF16, BF16, D("two_phase", 32, pdl=True)),
+    ("k64_gqa2_fp16_2phase_bv8", 2, 4, 64, 64, 16, F16, F16, D("two_phase", 8)),
+    ("gqa8_fp32_2phase_bv64_w2", 1, 8, 128, 128, 16, F32, F32, D("two_phase", 64, 2)),
+    # replay-vector two-phase launches (prep folds the ring into r_q / r_k)
+    ("gqa4_fp32_replay_bv32", 2, 8, 128, 128, 16, F32, F32, D("replay", 32)),
+    ("gqa2_fp32_bf16ring_replay_bv16", 2, 4, 128, 128, 16, F32, BF16, D("replay", 16)),
+    ("gqa3_bf16_replay_bv8", 2, 6, 128, 128, 16, BF16, BF16, D("replay", 8)),
+    ("k64_gqa2_fp16_replay_bv64_w2", 2, 4, 64, 64, 16, F16, F16, D("replay", 64, 2)),
+    ("gqa8_fp32_replay_bv32_w2", 1, 8, 128, 128, 16, F32, F32, D("replay", 32, 2)),
+    ("gqa1_fp16_replay_bv16", 2, 2, 128, 128, 16, F16, F16, D("replay", 16)),
+    ("gqa4_fp32_fp16ring_replay_bv32", 2, 8, 128, 128, 16, F32, F16, D("replay", 32)),
     # the flush's rank-n update on tensor cores (16-bit rings; fused and two-phase launches)
-    ("gqa2_bf16_tcflush_bv16", 2, 4, 128, 128, 16, BF16, BF16, (16, 1, True, False, 0, True)),
-    ("gqa4_fp16_tcflush_bv32", 2, 8, 128, 128, 16, F16, F16, (32, 1, True, False, 0, True)),
-    ("gqa4_fp32_bf16ring_tcflush_bv16", 2, 8, 128, 128, 16, F32, BF16, (16, 1, True, False, 0, True)),
-    ("gqa3_bf16_tcflush_grouped_bv32", 2, 6, 128, 128, 16, BF16, BF16, (32, 1, False, True, 0, True)),
-    ("k64_gqa2_fp16_tcflush_bv16_L12", 2, 4, 64, 64, 12, F16, F16, (16, 1, True, False, 0, True)),
-    ("gqa3_bf16_2phase_pdl_tcflush_bv16", 2, 6, 128, 128, 16, BF16, BF16, (16, 1, False, False, 2, 0, True)),
-    ("gqa4_fp32_fp16ring_2phase_tcflush_bv32", 2, 8, 128, 128, 16, F32, F16, (32, 1, False, False, 1, 0, True)),
+    ("gqa2_bf16_tcflush_bv16", 2, 4, 128, 128, 16, BF16, BF16, D("fused", 16, flush_tc=True)),
+    ("gqa4_fp16_tcflush_bv32", 2, 8, 128, 128, 16, F16, F16, D("fused", 32, flush_tc=True)),
+    ("gqa4_fp32_bf16ring_tcflush_bv16", 2, 8, 128, 128, 16, F32, BF16, D("fused", 16, flush_tc=True)),
+    ("k64_gqa2_fp16_tcflush_bv16_L12", 2, 4, 64, 64, 12, F16, F16, D("fused", 16, flush_tc=True)),
+    ("gqa3_bf16_2phase_pdl_tcflush_bv16", 2, 6, 128, 128, 16, BF16, BF16,
+     D("two_phase", 16, pdl=True, flush_tc=True)),
+    ("gqa4_fp32_fp16ring_2phase_tcflush_bv32", 2, 8, 128, 128, 16, F32, F16, D("two_phase", 32, flush_tc=True)),
 ]
 
-TWO_PHASE_PDL = (8, 1, True, False, 2, 4)
-REPLAY_PDL = (16, 1, False, False, 4, 1)
-TC_FLUSH = (16, 1, True, False, 0, True)
-TWO_PHASE_TC_FLUSH = (16, 1, False, False, 2, 0, True)
+TWO_PHASE_PDL = D("two_phase", 8, pdl=True)
+REPLAY = D("replay", 16)
+TC_FLUSH = D("fused", 16, flush_tc=True)
+TWO_PHASE_TC_FLUSH = D("two_phase", 16, pdl=True, flush_tc=True)
 
 
-@pytest.mark.parametrize("name,H,HV,K,V,L,sdt,rdt,config", CASES, ids=[c[0] for c in CASES])
-def test_vs_float64(name, H, HV, K, V, L, sdt, rdt, config):
-    out_rel, state_rel = run_vs_float64(H, HV, K, V, L, sdt, rdt, config=config, seed=zlib.crc32(name.encode()) % 100000)
+def decode(launch, *args, **kwargs):
+    """ring_decode with `launch` in force (None: the table's pick)."""
+    with override_launch(decode=launch):
+        return ring_decode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name,H,HV,K,V,L,sdt,rdt,launch", CASES, ids=[c[0] for c in CASES])
+def test_vs_float64(name, H, HV, K, V, L, sdt, rdt, launch):
+    out_rel, state_rel = run_vs_float64(H, HV, K, V, L, sdt, rdt, launch=launch, seed=zlib.crc32(name.encode()) % 100000)
     bound = BOUNDS[(sdt, rdt)]
     _record(name, {"out_rel": out_rel, "state_rel": state_rel, "bound": bound})
     print(f"{name}: out_rel={out_rel:.3e} state_rel={state_rel:.3e} bound={bound:g}")
@@ -257,16 +258,16 @@ def test_bf16_output_and_contiguous_state():
     assert out_rel < 1e-2 and state_rel < 1e-2
 
 
-@pytest.mark.parametrize("config", [None, TWO_PHASE_PDL, REPLAY_PDL, TC_FLUSH, TWO_PHASE_TC_FLUSH],
-                         ids=["default", "2phase_pdl", "replay_pdl", "tcflush", "2phase_tcflush"])
+@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TC_FLUSH, TWO_PHASE_TC_FLUSH],
+                         ids=["table", "2phase_pdl", "replay", "tcflush", "2phase_tcflush"])
 @pytest.mark.parametrize("sdt,rdt,bound", [(F32, F32, 1e-5), (BF16, BF16, 2e-2)], ids=["fp32", "bf16"])
-def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, config):
+def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, launch):
     """force_flush / start_empty at random, 200 rows (the bandwidth-bound launch config), same
     dtypes as the reference, cursors checked every step (the per-row cursor ticket at scale).
     With low-precision rings an entry on a rounding boundary can round one ulp apart in the two
     implementations, hence the looser bound there."""
     H, HV, K, V, L = 4, 16, 128, 128, 8
-    if config in (TC_FLUSH, TWO_PHASE_TC_FLUSH):
+    if launch in (TC_FLUSH, TWO_PHASE_TC_FLUSH):
         if rdt == F32:
             pytest.skip("the tensor-core flush needs a 16-bit ring")
         L = 16  # and >= 16 padded ring entries
@@ -280,15 +281,13 @@ def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, config):
         se = torch.rand(p.N, generator=p.g, device=DEV) < 0.1
         out = torch.full((p.N, 1, HV, V), float("nan"), dtype=F32, device=DEV)
         ref_out = torch.empty_like(out)
-        ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, out, p.idx_full, *p.rings(), ff, se,
-                    config=config)
+        decode(launch, qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, out, p.idx_full, *p.rings(), ff, se)
         ring_decode_reference(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, ref_state, ref_out, p.idx_full,
                               *ref_rings, ff, se)
         assert not torch.isnan(out).any()
         assert torch.equal(p.cursor, ref_rings[3]), f"step {step}: cursor mismatch"
         worst = max(worst, _rel(out, ref_out))
-    tag = {None: "", TWO_PHASE_PDL: "_2phase_pdl", REPLAY_PDL: "_replay_pdl", TC_FLUSH: "_tcflush",
-           TWO_PHASE_TC_FLUSH: "_2phase_tcflush"}[config]
+    tag = "" if launch is None else "_" + launch.name
     _record(f"flags_large_batch_{str(sdt)[6:]}{tag}", {"out_rel_vs_ring_reference": worst, "bound": bound})
     assert worst < bound
 
@@ -342,9 +341,9 @@ def test_materialize_drops_rows_flagged_start_empty():
             assert _rel(p.state[slot], ref[0][slot]) < 1e-6 and not torch.equal(p.state[slot], before[slot])
 
 
-@pytest.mark.parametrize("config", [None, TWO_PHASE_PDL, REPLAY_PDL, TWO_PHASE_TC_FLUSH],
-                         ids=["default", "2phase_pdl", "replay_pdl", "2phase_tcflush"])
-def test_cuda_graph_full_cycle_matches_eager(config):
+@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TWO_PHASE_TC_FLUSH],
+                         ids=["table", "2phase_pdl", "replay", "2phase_tcflush"])
+def test_cuda_graph_full_cycle_matches_eager(launch):
     """A graph captured over one full ring cycle (L steps, per-step static inputs refilled
     before each replay) gives bit-identical results to eager calls on a copy."""
     H, HV, K, V, L = 2, 8, 128, 128, 16
@@ -354,8 +353,8 @@ def test_cuda_graph_full_cycle_matches_eager(config):
         idx = p.idx_full.clone()
         idx[p.row_real & ((p.rank % L) < (L - 1 - step))] = -1
         qkv, a, b = p.inputs()
-        ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, torch.empty(p.N, HV, V, device=DEV),
-                    idx, *p.rings(), config=config)
+        decode(launch, qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, torch.empty(p.N, HV, V, device=DEV),
+               idx, *p.rings())
     static_in = [p.inputs() for _ in range(L)]
     static_out = [torch.empty(p.N, 1, HV, V, dtype=BF16, device=DEV) for _ in range(L)]
     twin = p.twin()
@@ -364,8 +363,7 @@ def test_cuda_graph_full_cycle_matches_eager(config):
     def cycle(tensors, outs):
         for t in range(L):
             qkv, a, b = static_in[t]
-            ring_decode(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, tensors[0], outs[t], p.idx_full, *tensors[1:],
-                        config=config)
+            decode(launch, qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, tensors[0], outs[t], p.idx_full, *tensors[1:])
 
     real = [p.state] + list(p.rings())
     s = torch.cuda.Stream()

@@ -17,8 +17,7 @@ Relative error bounds (||ours - ref|| / ||ref|| over all outputs, and the state)
     fp16 state, fp16 ring     < 5e-3
 
 Plus: a CUDA graph captured over several speculative steps replays bit-identically to eager
-calls. Every test runs once per launch form (mode="parallel", the default, and "serial");
-test_launch_configs runs two cases at every (BV, warps) the kernel_spec sweep tries.
+calls. test_launches runs two cases at every (BV, warps) the kernel_spec sweep tries.
 Skipped without CUDA. `RING_KERNEL_TEST_DEVICE=cpu TRITON_INTERPRET=1
 RING_VERIFY_TEST_SMALL=1` dry-runs it on the CPU with small head dims (no graph test).
 """
@@ -35,8 +34,13 @@ if os.environ.get("RING_KERNEL_TEST_DEVICE", "cuda") == "cuda" and not torch.cud
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from replayssm_patch._vendored.ring_reference import ring_spec_verify_reference  # noqa: E402
-from replayssm_patch._vendored.ring_verify import pack_cursor, ring_verify  # noqa: E402
+from replayssm_patch._vendored import (  # noqa: E402
+    VerifyLaunch,
+    override_launch,
+    pack_cursor,
+    ring_spec_verify_reference,
+    ring_verify,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +49,6 @@ SMALL = os.environ.get("RING_VERIFY_TEST_SMALL", "0") == "1"
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 BOUNDS = {(F32, F32): 1e-5, (F32, BF16): 1e-2, (BF16, BF16): 2e-2, (F16, F16): 5e-3}
 MEASURED: dict[str, dict] = {}
-MODES = ("parallel", "serial")  # ring_verify's launch forms (parallel is the default)
 
 
 def _rel(x, ref):
@@ -119,7 +122,7 @@ class Spec:
 
 
 def run_vs_float64(H, HV, K, V, L, T, sdt, rdt, *, steps=8, seed=0, rows=6, out_dtype=F32, out_bound=None,
-                   mode=None, config=None):
+                   launch=None):
     p = Spec(H, HV, K, V, L, T, sdt, rdt, seed, rows=rows)
     worst_out = worst_state = 0.0
     flushes = 0
@@ -129,8 +132,9 @@ def run_vs_float64(H, HV, K, V, L, T, sdt, rdt, *, steps=8, seed=0, rows=6, out_
         out = torch.full((ntok, HV, V), float("nan"), dtype=out_dtype, device=DEV)
         out_ref = torch.full((ntok, HV, V), float("nan"), dtype=F64, device=DEV)
         before = p.ref["cursor"].clone()
-        ring_verify(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, out, p.idx, cu,
-                    p.d, p.k, p.g, p.word, acc, p.W, mode=mode, config=config)
+        with override_launch(verify=launch):  # None: the default launch
+            ring_verify(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.state, out, p.idx, cu,
+                        p.d, p.k, p.g, p.word, acc, p.W)
         ring_spec_verify_reference(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, p.ref["state"], out_ref, p.idx, cu,
                                    p.ref["d"], p.ref["k"], p.ref["g"], p.ref["cursor"], p.ref["pending"], acc)
         flushes += int(((p.ref["cursor"] == 0) & (before > 0)).sum())
@@ -166,39 +170,35 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name,H,HV,K,V,L,T,sdt,rdt", CASES, ids=[c[0] for c in CASES])
-def test_vs_float64(name, H, HV, K, V, L, T, sdt, rdt, mode):
-    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode=mode)
+def test_vs_float64(name, H, HV, K, V, L, T, sdt, rdt):
+    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000)
     assert info["flushes"] > 0, "no flush happened"
-    MEASURED[f"{name}[{mode}]"] = info
+    MEASURED[name] = info
 
 
-# every launch the kernel_spec sweep tries for the parallel form, so a faster one can become the
-# default with its correctness already shown
-LAUNCHES = [(8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
+# every launch the kernel_spec sweep tries, so a faster one can become the default with its
+# correctness already shown
+LAUNCHES = [VerifyLaunch(bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4))]
 
 
-@pytest.mark.parametrize("config", LAUNCHES, ids=[f"parallel_bv{c[0]}_w{c[1]}" for c in LAUNCHES])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=[f"bv{c.block_v}_w{c.num_warps}" for c in LAUNCHES])
 @pytest.mark.parametrize("name,H,HV,K,V,L,T,sdt,rdt", CASES[:2], ids=[c[0] for c in CASES[:2]])
-def test_launch_configs(name, H, HV, K, V, L, T, sdt, rdt, config):
-    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, mode="parallel",
-                          config=config)
+def test_launches(name, H, HV, K, V, L, T, sdt, rdt, launch):
+    info = run_vs_float64(H, HV, K, V, L, T, sdt, rdt, seed=zlib.crc32(name.encode()) % 1000, launch=launch)
     assert info["flushes"] > 0, "no flush happened"
-    MEASURED[f"{name}[parallel {config}]"] = info
+    MEASURED[f"{name}[{launch}]"] = info
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_bf16_output_large_batch(mode):
+def test_bf16_output_large_batch():
     if SMALL:
         pytest.skip("large batch is for the GPU")
     info = run_vs_float64(16, 32, 128, 128, 32, 7, F32, F32, steps=5, rows=66, seed=11, out_dtype=BF16,
-                          out_bound=1e-2, mode=mode)  # bf16 outputs: their own rounding dominates
-    MEASURED[f"b64_t7_bf16_out[{mode}]"] = info
+                          out_bound=1e-2)  # bf16 outputs: their own rounding dominates
+    MEASURED["b64_t7_bf16_out"] = info
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_cuda_graph_replay_matches_eager(mode):
+def test_cuda_graph_replay_matches_eager():
     """A graph captured over several speculative steps (uniform T+1 tokens per row, the
     accepted counts refilled before each replay) gives bit-identical results to eager calls."""
     if DEV != "cuda":
@@ -214,7 +214,7 @@ def test_cuda_graph_replay_matches_eager(mode):
     def run(tensors, outputs):
         for (qkv, a, b, cu, acc), o in zip(static, outputs):
             ring_verify(qkv, a, b, p.A_log, p.dt_bias, K ** -0.5, tensors[0], o, p.idx, cu,
-                        *tensors[1:], acc, T + 1, mode=mode)
+                        *tensors[1:], acc, T + 1)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -250,7 +250,7 @@ def test_cuda_graph_replay_matches_eager(mode):
         for x, y in zip(real, twin):
             torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m: f"replay {rep}: state/ring/cursor differ: {m}")
-    MEASURED[f"cuda_graph[{mode}]"] = {"steps": steps, "replays": 3, "bit_identical": True}
+    MEASURED["cuda_graph"] = {"steps": steps, "replays": 3, "bit_identical": True}
 
 
 def test_zz_report_measured():

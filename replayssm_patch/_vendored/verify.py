@@ -15,9 +15,8 @@ bonus token and the drafts; any count up to `max_tokens`, zero allowed). Per row
      tokens' replay entries (d, k, G) are written at ring positions n..n+T_i-1 as the slot's
      new pending window.
 
-Two launch forms (`mode`), same semantics, same call:
+Three launches on one stream:
 
-* "parallel" (default): three launches on one stream.
   1. prep, per (row, key head): what the key head's value heads and value blocks share per
      token -- q_t and k_t normalised in fp32 (`qk`, [tokens, H, 2, K]), k_t . q_t and the
      gates alpha_t, beta_t of each value head of the group (`gates`, [rows, H, WP, row width]).
@@ -32,25 +31,21 @@ Two launch forms (`mode`), same semantics, same call:
      value head) and the new cursor word, recomputed from the inputs.
   Main reads the cursor word with a plain load (nothing writes it before finish); the
   kernel boundaries order every shared read before the write, so no atomics are needed there.
-* "serial": one kernel, one program per (row, key head) looping over the key head's value
-  heads and value blocks, so one program owns every ring entry it reads and writes (only
-  batch x H programs: 7-14x slower than native on an H200; kept for comparison).
 
 The cursor word. Per slot one int32 holds `n | p << 8` between launches (n committed entries,
 p the pending window length, both < 256), and in flight the arrival tickets in bits 16 and up
-(the same race-free read as in ring_decode: every program of a row that writes the word --
-the serial kernel's, the parallel form's finish kernel's -- reads it with one atomic add of
-1 << 16, the last of the row's H programs writes the new word with an exchange).
+(the same race-free read as the fused decode kernel's: every finish program of a row reads
+it with one atomic add of 1 << 16, the last of the row's H programs writes the new word with
+an exchange).
 A slot with p == 0 holds the plain entry count that `ring_decode` and `ring_materialize` use;
 a slot with a pending window must go through `ring_commit` (or this kernel) before those see
 it. Commit, verify and the window bookkeeping thus need no host sync and no extra persistent
 buffer, and the launch is CUDA-graph safe (everything it reads is a tensor; only the shapes and
 `max_tokens` are baked in).
 
-How the tokens are computed (per value head and block of BV value rows: a program of the
-parallel main kernel, one inner step of the serial kernel). With
-Gamma_t the cumulative log-decay up to token t (continuing from G_n, or from 0 after a flush),
-the state after token t applied to a vector x is
+How the tokens are computed (per value head and block of BV value rows: one main program).
+With Gamma_t the cumulative log-decay up to token t (continuing from G_n, or from 0 after a
+flush), the state after token t applied to a vector x is
 
     S_t x = exp(Gamma_t) S_c x + sum_{j<n} exp(Gamma_t - G_j) d_j (k_j . x)
                                + sum_{u<=t} exp(Gamma_t - Gamma_u) d_u (k_u . x)
@@ -60,22 +55,13 @@ u < t):
 
     d_t = beta_t (v_t - alpha_t S_{t-1} k_t),   o_t = alpha_t S_{t-1} q_t + d_t (k_t . q_t).
 
-The serial kernel forms S_c q_t, S_c k_t and the committed entries' part for all tokens at once
-as tl.dot products (fp32, input_precision="ieee", never tf32) and applies the window's own
-entries token by token; a flush is one [BV, n] x [n, K] product. The parallel main kernel
-instead replays the committed entries into its tile first (S_n = exp(G_n) S_c + sum_j
-exp(G_n - G_j) k_j d_j^T, n rank-1 updates, as ring_decode's flush) and then runs the window
-as the plain recurrence on S_n in registers (S <- alpha_t S; d_t = beta_t (v_t - S k_t);
+The main kernel replays the committed entries into its tile first (S_n = exp(G_n) S_c +
+sum_j exp(G_n - G_j) k_j d_j^T, n rank-1 updates, as the decode flush) and then runs the
+window as the plain recurrence on S_n in registers (S <- alpha_t S; d_t = beta_t (v_t - S k_t);
 o_t = S q_t + d_t (k_t . q_t); S += k_t d_t^T): per token two reductions over K and two
-rank-1-sized updates of its own tile, no ring-sized work. Both forms store the flushed tile in
-the state dtype and continue from the stored (rounded) checkpoint.
-
-Forms measured on an H200 and dropped (benchmarks/results/kernel_spec_sweep.md): tl.dot forms
-of the parallel kernels, fp32 "ieee" or "tf32x3", 0.03-0.62x native (small tiles cost up to
-255 registers and 1 block per SM); a main kernel replaying the ring per token over a ring tile
-of d entries with key-side dot products from prep, 1.52x at batch 256, T=8 (the default until
-2026-12-01; the tile-replay form: 2.05x); a chunked main kernel (the window solved as one
-chunk, D = (I + N)^-1 beta (V - B), in tl.dot products), 0.58-0.93x.
+rank-1-sized updates of its own tile, no ring-sized work. A flushed tile is stored in the
+state dtype and the window continues from the stored (rounded) checkpoint. The forms measured
+and dropped are listed in docs/kernels.md.
 
 Requirements: the valid rows of one launch name distinct slots (vLLM guarantees this);
 1 <= max_tokens <= L <= 255; each row has at most `max_tokens` tokens (the launcher cannot
@@ -89,10 +75,11 @@ import triton
 import triton.language as tl
 
 from .gdn_gates import gdn_beta, gdn_log_decay
+from .launch import verify_launch
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
 from .ring_reference import CURSOR_FIELD_MASK, pack_cursor, unpack_cursor  # noqa: F401 (re-exported)
 
-__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor", "verify_config", "MODES"]
+__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor"]
 
 _FIELD_MASK = CURSOR_FIELD_MASK  # n and the pending length: 8 bits each (the kernels spell 0xFF / 8)
 
@@ -117,158 +104,8 @@ def _committed_count(word, acc, row, stride_acc, L: tl.constexpr, HAS_ACC: tl.co
     return tl.minimum(n, L)
 
 
-@triton.jit
-def _ring_verify_kernel(
-    qkv, a, b, A_log, dt_bias, out, state, idx, cu, acc,
-    ring_d, ring_k, ring_g, cursor,
-    scale,
-    stride_qkv, stride_a, stride_b, stride_idx, stride_acc,
-    slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, WP: tl.constexpr, MAXT: tl.constexpr,
-    HAS_ACC: tl.constexpr, L2NORM: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    i_h = pid % H
-    i_n = pid // H
-    GROUP: tl.constexpr = HV // H
-    NV: tl.constexpr = (V + BV - 1) // BV
-    row = i_n.to(tl.int64)
-
-    o_k = tl.arange(0, BK)
-    o_w = tl.arange(0, WP)
-    o_l = tl.arange(0, LP)
-    o_b = tl.arange(0, BV)
-    m_k = o_k < K
-
-    slot = tl.load(idx + row * stride_idx).to(tl.int64)
-    lo, W = _row_window(cu, row, MAXT)
-    m_w = o_w < W
-    tok = lo + o_w  # token rows of this request (valid where m_w)
-
-    if slot <= 0:
-        # NULL block (0) or padding (-1): zero outputs for the row's tokens, touch nothing else.
-        for i in range(GROUP):
-            hv = i_h * GROUP + i
-            for jv in range(NV):
-                o_v = jv * BV + o_b
-                p_o = out + (tok[:, None] * HV + hv) * V + o_v[None, :]
-                tl.store(p_o, tl.zeros([WP, BV], dtype=tl.float32).to(out.dtype.element_ty),
-                         mask=m_w[:, None] & (o_v < V)[None, :])
-        return
-
-    # Tokens' q and k of this key head, normalised: [WP, BK].
-    p_x = qkv + tok[:, None] * stride_qkv
-    m_wk = m_w[:, None] & m_k[None, :]
-    Q = tl.load(p_x + i_h * K + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
-    Kt = tl.load(p_x + H * K + i_h * K + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
-    if L2NORM:
-        Q = Q / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None]
-        Kt = Kt / tl.sqrt(tl.sum(Kt * Kt, 1) + 1e-6)[:, None]
-    Q = Q * scale
-
-    # Cursor word: committed n, pending window p (the ticket makes this read race-free).
-    ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
-    arrivals = ticket >> 16
-    n = _committed_count(ticket, acc, row, stride_acc, L, HAS_ACC)
-    flush = n + W > L
-    n_w = tl.where(flush, 0, n)  # where the window starts
-    live = o_l < n  # committed entries (before a flush)
-    live_v = live & (n_w > 0)  # committed entries the verify still replays (none after a flush)
-
-    p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
-    rk = tl.load(p_kr + o_l[:, None] * K + o_k[None, :], mask=live[:, None] & m_k[None, :], other=0.0)
-    rk = rk.to(tl.float32)
-    # Key-side dot products, shared by the group's value heads: [entries, tokens].
-    KQc = tl.dot(rk, tl.trans(Q), input_precision="ieee")  # k_j . q_t
-    KKc = tl.dot(rk, tl.trans(Kt), input_precision="ieee")  # k_j . k_t
-    KQw = tl.dot(Kt, tl.trans(Q), input_precision="ieee")  # k_u . q_t
-    KKw = tl.dot(Kt, tl.trans(Kt), input_precision="ieee")  # k_u . k_t
-    kq_self = tl.sum(tl.where(o_w[:, None] == o_w[None, :], KQw, 0.0), 0)  # k_t . q_t
-    earlier = (o_w[:, None] < o_w[None, :]) & m_w[None, :]  # [u, t]: u < t
-
-    for i in range(GROUP):
-        hv = i_h * GROUP + i
-        A_t = tl.load(A_log + hv).to(tl.float32)
-        dtb = tl.load(dt_bias + hv).to(tl.float32)
-        a_t = tl.load(a + tok * stride_a + hv, mask=m_w, other=0.0).to(tl.float32)
-        b_t = tl.load(b + tok * stride_b + hv, mask=m_w, other=0.0).to(tl.float32)
-        g = tl.where(m_w, gdn_log_decay(a_t, A_t, dtb), 0.0)
-        beta = gdn_beta(b_t)
-
-        p_g = ring_g + slot * slot_stride_g + hv * L
-        Gc = tl.load(p_g + o_l, mask=live, other=0.0)
-        G_n = tl.sum(tl.where(o_l == n - 1, Gc, 0.0))  # 0 for an empty ring
-        base = tl.where(flush, 0.0, G_n)
-        Gam = base + tl.cumsum(g, 0)  # [WP]
-        # Weights exp(Gamma_t - G_j) (committed) and exp(Gamma_t - Gamma_u) (window, u < t);
-        # entries past the cursor may hold anything: select, never multiply by 0.
-        Wc = tl.where(live_v[:, None] & m_w[None, :], tl.exp(Gam[None, :] - Gc[:, None]), 0.0)
-        Ww = tl.where(earlier, tl.exp(Gam[None, :] - Gam[:, None]), 0.0)
-        Ak_c = Wc * KKc
-        Aq_c = Wc * KQc
-        Ak_w = Ww * KKw
-        Aq_w = Ww * KQw
-        eGam = tl.where(m_w, tl.exp(Gam), 0.0)
-        # Flush weights of the committed entries: exp(G_n - G_j).
-        wf = tl.where(live, tl.exp(G_n - Gc), 0.0)
-        eGn = tl.exp(G_n)
-
-        p_dr = ring_d + slot * slot_stride_d + hv * (L * V)
-        for jv in range(NV):
-            o_v = jv * BV + o_b
-            m_v = o_v < V
-            m_vk = m_v[:, None] & m_k[None, :]
-            p_s = state + slot * slot_stride_state + hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-            S = tl.load(p_s, mask=m_vk, other=0.0).to(tl.float32)
-            rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
-            rd = rd.to(tl.float32)  # [LP, BV]
-            if flush:
-                # S_c <- exp(G_n) S_c + sum_j exp(G_n - G_j) d_j k_j^T, stored in the state dtype;
-                # the verify then continues from the stored (rounded) checkpoint, as the
-                # reference does.
-                S = eGn * S + tl.dot(tl.trans(rd * wf[:, None]), rk, input_precision="ieee")
-                S = S.to(state.dtype.element_ty)
-                tl.store(p_s, S, mask=m_vk)
-                S = S.to(tl.float32)
-                tl.debug_barrier()  # every lane has read the entries the window overwrites
-            # S_t-independent parts for all tokens at once: [BV, WP].
-            SK = tl.dot(S, tl.trans(Kt), input_precision="ieee") * eGam[None, :]
-            SQ = tl.dot(S, tl.trans(Q), input_precision="ieee") * eGam[None, :]
-            rdT = tl.trans(rd)
-            SK += tl.dot(rdT, Ak_c, input_precision="ieee")
-            SQ += tl.dot(rdT, Aq_c, input_precision="ieee")
-            Dw = tl.zeros([WP, BV], dtype=tl.float32)  # window entries d_u, u < t
-            p_v = qkv + 2 * H * K + hv * V + o_v
-            p_o = out + hv * V + o_v
-            for t in range(0, W):
-                sel = o_w == t
-                ak = tl.sum(tl.where(sel[None, :], Ak_w, 0.0), 1)  # [WP] over u
-                aq = tl.sum(tl.where(sel[None, :], Aq_w, 0.0), 1)
-                sk = tl.sum(tl.where(sel[None, :], SK, 0.0), 1) + tl.sum(Dw * ak[:, None], 0)
-                sq = tl.sum(tl.where(sel[None, :], SQ, 0.0), 1) + tl.sum(Dw * aq[:, None], 0)
-                beta_t = tl.sum(tl.where(sel, beta, 0.0))
-                kq_t = tl.sum(tl.where(sel, kq_self, 0.0))
-                tt = lo + t
-                v_t = tl.load(p_v + tt * stride_qkv, mask=m_v, other=0.0).to(tl.float32)
-                d = beta_t * (v_t - sk)
-                o = sq + d * kq_t
-                tl.store(p_o + tt * (HV * V), o.to(out.dtype.element_ty), mask=m_v)
-                tl.store(p_dr + (n_w + t) * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
-                # within the window later tokens use d unrounded, as the sequential recurrence
-                # does; the ring keeps it in its dtype for the steps after the commit
-                Dw = tl.where(sel[:, None], d[None, :], Dw)
-        tl.debug_barrier()
-        tl.store(p_g + n_w + o_w, Gam, mask=m_w)
-    tl.debug_barrier()  # the group's programs lanes have all read the committed keys
-    tl.store(p_kr + (n_w + o_w)[:, None] * K + o_k[None, :], Kt.to(ring_k.dtype.element_ty), mask=m_wk)
-    if arrivals == H - 1:
-        # Last of the row's H programs to take a ticket: everyone has read the word.
-        tl.atomic_xchg(cursor + slot, n_w | (W << 8), sem="relaxed")
-
-
 # --------------------------------------------------------------------------------------------
-# Parallel form: prep kernel per (row, key head), main kernel per (row, value head, block of BV
+# Prep kernel per (row, key head), main kernel per (row, value head, block of BV
 # value rows), finish kernel per (row, key head). The main kernel only READS the data its
 # sibling programs share (ring keys, gates, cursor word) and writes only its own rows (outputs,
 # ring d columns, checkpoint rows); the finish kernel, launched after it on the same stream,
@@ -504,24 +341,6 @@ def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
 # Launchers
 # --------------------------------------------------------------------------------------------
 
-MODES = ("parallel", "serial")
-
-
-def verify_config(V: int, state_dtype: torch.dtype, mode: str = "serial") -> tuple[int, int]:
-    """(BV, num_warps): value rows per block (per program in the parallel form, per inner loop
-    step in the serial form) and warps per program."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
-    if mode == "parallel":
-        # one warp per 32 value rows (4 per lane): the fastest of 8 launches at all three cells
-        # swept on an H200 (2.05x / 1.92x / 1.20x native at (T=8, B=256) / (8, 64) / (4, 16);
-        # 16 rows per warp 1.39x at (8, 256), more warps per program slower still):
-        # benchmarks/results/kernel_spec_sweep.md, "Tile-replay main kernel"
-        return 32, 1
-    bv = 32 if V >= 32 else max(16, triton.next_power_of_2(V))
-    return bv, 4
-
-
 def _rows_tensor(t, n, name, dev):
     if t is None:
         return None, 0
@@ -551,9 +370,6 @@ def ring_verify(
     num_accepted: torch.Tensor | None,
     max_tokens: int,
     use_qk_l2norm: bool = True,
-    *,
-    config: tuple[int, int] | None = None,
-    mode: str | None = None,
 ) -> torch.Tensor:
     """One speculative step through the ring (semantics of `ring_spec_verify_reference`).
 
@@ -563,13 +379,9 @@ def ring_verify(
     `cursor` holds the packed word `n | pending << 8` (see the module docstring).
     Writes `out` ([tokens, HV, V] or [tokens, 1, HV, V], contiguous) for every token of every
     row (zero for rows with slot <= 0; tokens outside every row untouched), updates state,
-    rings and cursor in place. No host sync; the parallel form's small scratch comes from the
-    caching allocator (under capture, from the graph's pool): CUDA-graph safe.
-    `mode` picks the launch form: "parallel" (default: a main kernel per (row, value head,
-    BV value rows), then a finish kernel per (row, key head)) or "serial" (one kernel, one
-    program per (row, key head)); both have the same semantics.
-    `config` = (BV, num_warps) overrides the default launch configuration (of the main kernel
-    in the parallel form).
+    rings and cursor in place. No host sync; the small scratch comes from the caching
+    allocator (under capture, from the graph's pool): CUDA-graph safe. The main kernel's
+    launch is `launch.VerifyLaunch()` unless an `override_launch` block names another.
     Returns `out` viewed as [tokens, HV, V].
     """
     H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, _FIELD_MASK)
@@ -586,9 +398,6 @@ def ring_verify(
         raise ValueError(f"out must be contiguous with tokens*HV*V = {ntok * HV * V} elements")
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= L:
         raise ValueError(f"max_tokens must be an int in [1, L={L}] (got {max_tokens!r})")
-    mode = "parallel" if mode is None else mode
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     dev = state.device
     check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
                  state_indices=state_indices, cu_seqlens=cu_seqlens)
@@ -596,52 +405,39 @@ def ring_verify(
     out3 = out.view(ntok, HV, V)
     if N == 0:
         return out3
-    BV, num_warps = config if config is not None else verify_config(V, state.dtype, mode)
-    BV = min(BV, max(16, triton.next_power_of_2(V)))
+    launch = verify_launch()
+    BV = min(launch.block_v, max(16, triton.next_power_of_2(V)))
     BK = max(16, triton.next_power_of_2(K))
-    LP = max(16, triton.next_power_of_2(L))
     WP = max(16, triton.next_power_of_2(max_tokens))
     acc_arg = acc if acc is not None else state_indices
-    if mode == "parallel":
-        GP = triton.next_power_of_2(HV // H)
-        NV = triton.cdiv(V, BV)
-        # Per-token scalars and the normalised q/k, in scratch that under CUDA-graph capture
-        # comes from the graph's memory pool.
-        RW = triton.next_power_of_2(1 + 2 * GP)
-        gates = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
-        qk = torch.empty((ntok, H, 2, K), dtype=torch.float32, device=dev)
-        _ring_verify_prep_kernel[(N * H,)](
-            mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, gates, qk, float(scale),
-            mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0),
-            H=H, HV=HV, K=K, BK=BK, WP=WP, GP=GP, RW=RW, MAXT=max_tokens, L2NORM=bool(use_qk_l2norm),
-            num_warps=4, num_stages=1,
-        )
-        _ring_verify_main_kernel[(N * HV * NV,)](
-            mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
-            ring_d, ring_k, ring_g, cursor, gates, qk,
-            mixed_qkv.stride(0), state_indices.stride(0), s_acc, ss, sd, sk, sg,
-            H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, WP=WP, MAXT=max_tokens, NV=NV,
-            GP=GP, RW=RW, HAS_ACC=acc is not None, KI=min(BK, 16), num_warps=num_warps, num_stages=1,
-        )
-        # Same stream, after the main kernel: the shared keys, gates and cursor words.
-        _ring_verify_finish_kernel[(N * H,)](
-            mixed_qkv, a, A_log, dt_bias, state_indices, cu_seqlens, acc_arg,
-            ring_k, ring_g, cursor,
-            mixed_qkv.stride(0), a.stride(0), state_indices.stride(0), s_acc, sk, sg,
-            H=H, HV=HV, K=K, L=L, BK=BK, GP=max(2, triton.next_power_of_2(HV // H)), WP=WP, MAXT=max_tokens,
-            HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
-            num_warps=4 if WP * BK > 2048 else 2, num_stages=1,
-        )
-        return out3
-    _ring_verify_kernel[(N * H,)](
-        mixed_qkv, a, b, A_log, dt_bias, out, state, state_indices, cu_seqlens, acc_arg,
-        ring_d, ring_k, ring_g, cursor,
-        float(scale),
-        mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0), s_acc,
-        ss, sd, sk, sg,
-        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, LP=LP, WP=WP, MAXT=max_tokens,
+    GP = triton.next_power_of_2(HV // H)
+    NV = triton.cdiv(V, BV)
+    # Per-token scalars and the normalised q/k, in scratch that under CUDA-graph capture
+    # comes from the graph's memory pool.
+    RW = triton.next_power_of_2(1 + 2 * GP)
+    gates = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
+    qk = torch.empty((ntok, H, 2, K), dtype=torch.float32, device=dev)
+    _ring_verify_prep_kernel[(N * H,)](
+        mixed_qkv, a, b, A_log, dt_bias, state_indices, cu_seqlens, gates, qk, float(scale),
+        mixed_qkv.stride(0), a.stride(0), b.stride(0), state_indices.stride(0),
+        H=H, HV=HV, K=K, BK=BK, WP=WP, GP=GP, RW=RW, MAXT=max_tokens, L2NORM=bool(use_qk_l2norm),
+        num_warps=4, num_stages=1,
+    )
+    _ring_verify_main_kernel[(N * HV * NV,)](
+        mixed_qkv, out, state, state_indices, cu_seqlens, acc_arg,
+        ring_d, ring_k, ring_g, cursor, gates, qk,
+        mixed_qkv.stride(0), state_indices.stride(0), s_acc, ss, sd, sk, sg,
+        H=H, HV=HV, K=K, V=V, L=L, BK=BK, BV=BV, WP=WP, MAXT=max_tokens, NV=NV,
+        GP=GP, RW=RW, HAS_ACC=acc is not None, KI=min(BK, 16), num_warps=launch.num_warps, num_stages=1,
+    )
+    # Same stream, after the main kernel: the shared keys, gates and cursor words.
+    _ring_verify_finish_kernel[(N * H,)](
+        mixed_qkv, a, A_log, dt_bias, state_indices, cu_seqlens, acc_arg,
+        ring_k, ring_g, cursor,
+        mixed_qkv.stride(0), a.stride(0), state_indices.stride(0), s_acc, sk, sg,
+        H=H, HV=HV, K=K, L=L, BK=BK, GP=max(2, triton.next_power_of_2(HV // H)), WP=WP, MAXT=max_tokens,
         HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
-        num_warps=num_warps, num_stages=1,
+        num_warps=4 if WP * BK > 2048 else 2, num_stages=1,
     )
     return out3
 

@@ -1,0 +1,191 @@
+"""Launch selection for the ring kernels: what a launch is, the measured table, the override.
+
+A decode launch (`DecodeLaunch`) names one of three forms and its few settings:
+
+    fused      one kernel; program = (row, value head, block of `block_v` value rows)
+    two_phase  a prep kernel per (row, key head) does the ring's O(L K) work once, the main
+               kernel per (row, value head, block) streams the checkpoint tile
+    replay     two-phase whose prep also folds the live ring d entries into two vectors per
+               value head, so the main kernel has native decode's shape
+
+`pdl` (two_phase only) lets the main kernel load its first tile while the prep kernel runs
+(programmatic dependent launch, Hopper and newer); `flush_tc` (fused, two_phase) does a
+flushing row's rank-n update as one tensor-core product (needs a 16-bit ring, blocks of >= 16
+rows and >= 16 padded ring entries; bf16 only on a GPU, whose dots the interpreter gets wrong).
+
+`DECODE_TABLE` is the table from the H200 sweeps of 2026-12-01 (Triton 3.6, K = V = 128, L =
+16, bf16 activations; docs/kernels.md has the measurements). Its rows are tried in order and
+the first that matches wins; "pairs" = rows x value heads, scaled by SMs / 132. A row whose
+launch has `flush_tc` matches only where the tensor-core flush can run.
+
+`override_launch` replaces the table's choice (and the verify kernel's launch) inside a
+`with` block, for benchmarks and tests, as vLLM's fused-MoE `override_config` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+import re
+
+import torch
+import triton
+
+FORMS = ("fused", "two_phase", "replay")
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    form: str
+    block_v: int
+    num_warps: int = 1
+    pdl: bool = False
+    flush_tc: bool = False
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"DecodeLaunch.form must be one of {FORMS} (got {self.form!r})")
+        if self.block_v < 8 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"DecodeLaunch.block_v must be a power of two >= 8 (got {self.block_v})")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"DecodeLaunch.num_warps must be 1, 2, 4 or 8 (got {self.num_warps})")
+        if self.pdl and self.form != "two_phase":
+            raise ValueError(f"DecodeLaunch.pdl applies to the two_phase form only (got form {self.form!r})")
+        if self.flush_tc and self.form == "replay":
+            raise ValueError("DecodeLaunch.flush_tc applies to the fused and two_phase forms only")
+
+    @property
+    def name(self) -> str:
+        """Short label for benchmark tables and command lines, e.g. 'two_phase_bv16_w1_pdl_tc'."""
+        return (f"{self.form}_bv{self.block_v}_w{self.num_warps}"
+                + ("_pdl" if self.pdl else "") + ("_tc" if self.flush_tc else ""))
+
+    @classmethod
+    def from_name(cls, name: str) -> "DecodeLaunch":
+        """The launch a `name` labels (benchmarks take launches on the command line this way)."""
+        m = re.fullmatch(r"(fused|two_phase|replay)_bv(\d+)_w(\d+)(_pdl)?(_tc)?", name)
+        if m is None:
+            raise ValueError(f"not a launch name: {name!r} (form_bvN_wM[_pdl][_tc], form one of {FORMS})")
+        return cls(m[1], int(m[2]), int(m[3]), pdl=bool(m[4]), flush_tc=bool(m[5]))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyLaunch:
+    """The speculative verify kernel's main launch: value rows per program, warps per program.
+    Default: one warp per 32 value rows, the fastest of 8 launches at the three cells swept on
+    an H200 (2.05x / 1.92x / 1.20x native at T=8 B=256 / T=8 B=64 / T=4 B=16)."""
+    block_v: int = 32
+    num_warps: int = 1
+
+    def __post_init__(self):
+        if self.block_v < 8 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"VerifyLaunch.block_v must be a power of two >= 8 (got {self.block_v})")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"VerifyLaunch.num_warps must be 1, 2, 4 or 8 (got {self.num_warps})")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRow:
+    state: str        # "any", "fp32" or "16-bit": the checkpoint dtype the row applies to
+    ring: str         # the same, for the ring's d / k entries
+    min_pairs: float  # the row applies for min_pairs <= pairs < below
+    below: float
+    launch: DecodeLaunch
+
+
+def _fused(bv, tc=False):
+    return DecodeLaunch("fused", bv, flush_tc=tc)
+
+
+def _two_phase(bv, pdl=False, tc=False):
+    return DecodeLaunch("two_phase", bv, pdl=pdl, flush_tc=tc)
+
+
+_INF = math.inf
+DECODE_TABLE = (
+    # Large launches: the replay-vector form's main kernel runs at 62-82% of DRAM bandwidth
+    # where two_phase's runs at 54-77%, which pays for its slower prep only at large batch;
+    # with fp32 ring entries its prep reads twice the bytes and two_phase stays.
+    TableRow("16-bit", "any", 8192, _INF, DecodeLaunch("replay", 16)),
+    TableRow("fp32", "16-bit", 8192, _INF, DecodeLaunch("replay", 8)),
+    # Below 1024 pairs a flushing row's rank-n update is on the critical path: with a 16-bit
+    # ring it runs on tensor cores (1-10% faster there, no gain above).
+    TableRow("any", "any", 512, 1024, _two_phase(16, pdl=True, tc=True)),
+    TableRow("any", "any", 512, _INF, _two_phase(8)),
+    # Small launches are latency-bound: one fused kernel, small tiles.
+    TableRow("any", "any", 0, 65, _fused(16, tc=True)),
+    TableRow("fp32", "any", 0, 129, _fused(16, tc=True)),
+    TableRow("16-bit", "any", 129, 512, _two_phase(32, pdl=True, tc=True)),
+    TableRow("any", "any", 0, 33, _fused(8)),
+    TableRow("fp32", "any", 0, 65, _fused(16)),
+    TableRow("any", "any", 0, 512, _fused(32)),
+)
+
+_decode_override: contextvars.ContextVar[DecodeLaunch | None] = contextvars.ContextVar("decode_launch", default=None)
+_verify_override: contextvars.ContextVar[VerifyLaunch | None] = contextvars.ContextVar("verify_launch", default=None)
+
+
+@contextlib.contextmanager
+def override_launch(decode: DecodeLaunch | None = None, verify: VerifyLaunch | None = None):
+    """Inside the block, ring_decode launches `decode` and ring_verify `verify` (None: the
+    default stays) instead of what the table picks."""
+    for name, value, kind in (("decode", decode, DecodeLaunch), ("verify", verify, VerifyLaunch)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"override_launch({name}=...) takes a {kind.__name__} (got {type(value).__name__})")
+    tokens = (_decode_override.set(decode), _verify_override.set(verify))
+    try:
+        yield
+    finally:
+        _verify_override.reset(tokens[1])
+        _decode_override.reset(tokens[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # the interpreter on CPU: any plausible value
+
+
+def flush_tc_supported(ring_dtype: torch.dtype, L: int, device: torch.device) -> bool:
+    """Whether the tensor-core flush can run: 16-bit ring entries (the keys enter the product
+    exactly), >= 16 padded ring entries (tl.dot's smallest K); bf16 only on a GPU (Triton's
+    interpreter computes bf16 dots wrongly, fp16 ones right)."""
+    return (ring_dtype in _SIXTEEN_BIT and triton.next_power_of_2(L) >= 16
+            and (device.type == "cuda" or ring_dtype == torch.float16))
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "16-bit" if dtype in _SIXTEEN_BIT else "fp32"
+
+
+def pick_decode_launch(rows: int, HV: int, state_dtype: torch.dtype, ring_dtype: torch.dtype, L: int,
+                       device) -> DecodeLaunch:
+    """The table's launch for `rows` decode rows of HV value heads (the first matching row)."""
+    device = torch.device(device)
+    pairs = rows * HV * 132.0 / num_sms(device)
+    tc = flush_tc_supported(ring_dtype, L, device)
+    for r in DECODE_TABLE:
+        if (r.state in ("any", _kind(state_dtype)) and r.ring in ("any", _kind(ring_dtype))
+                and r.min_pairs <= pairs < r.below and (tc or not r.launch.flush_tc)):
+            return r.launch
+    raise AssertionError(f"DECODE_TABLE has no row for {pairs} pairs")  # its last row covers < 512
+
+
+def decode_launch(rows, HV, state_dtype, ring_dtype, L, device) -> DecodeLaunch:
+    """The override in force, else the table's pick."""
+    forced = _decode_override.get()
+    return forced if forced is not None else pick_decode_launch(rows, HV, state_dtype, ring_dtype, L, device)
+
+
+def verify_launch() -> VerifyLaunch:
+    forced = _verify_override.get()
+    return forced if forced is not None else VerifyLaunch()
