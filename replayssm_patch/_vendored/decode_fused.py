@@ -148,6 +148,8 @@ def _fused_decode_kernel(
         tl.store(p_dr + n * V + o_v, d.to(ring_d.dtype.element_ty), mask=m_v)
         if i_v == 0:
             tl.store(p_g + n, G_n + g)
+    if not flush:
+        if i_v == 0:
             if hv % GROUP == 0:  # one program per key head appends the key
                 tl.store(p_kr + n * K + o_k, k.to(ring_k.dtype.element_ty), mask=m_k)
     if arrivals == P - 1:

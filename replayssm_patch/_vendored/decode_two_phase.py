@@ -116,7 +116,10 @@ def _ring_main_kernel(
     BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr, NV: tl.constexpr,
     USE_PDL: tl.constexpr, FLUSH_TC: tl.constexpr,
 ):
-    # Program = (row, value head, block of BV value rows), value block fastest.
+    # Program = (row, value head, block of BV value rows), value block fastest. Keep the
+    # statement order: with the same arithmetic reordered (masks and offsets computed once, up
+    # front) Triton 3.6 scheduled the loads differently and the kernel ran 2-9% slower on an
+    # H200 (benchmarks/results/kernel_split_2026-12-02/).
     pid = tl.program_id(0)
     i_v = pid % NV
     i_hv = (pid // NV) % HV
@@ -125,21 +128,23 @@ def _ring_main_kernel(
     i_h = i_hv // GROUP
 
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_b = tl.arange(0, BV)
     o_l = tl.arange(0, LP)
     m_k = o_k < K
-    m_v = o_v < V
-    m_vk = m_v[:, None] & m_k[None, :]
+    v0 = i_v * BV
 
-    p_out = out + (row * HV + i_hv) * V + o_v
+    p_out = out + (row * HV + i_hv) * V
     slot = tl.load(idx + row * stride_idx).to(tl.int64)
     if slot <= 0:
-        tl.store(p_out, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=m_v)
+        o_v = v0 + o_b
+        tl.store(p_out + o_v, tl.zeros([BV], dtype=tl.float32).to(out.dtype.element_ty), mask=o_v < V)
         return
 
     # The tile does not depend on the prep kernel (with PDL it loads while prep runs).
-    p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
-    S = tl.load(p_s, mask=m_vk, other=0.0)
+    p_s0 = state + slot * slot_stride_state + i_hv * (V * K)
+    p_x = qkv + row * stride_qkv + 2 * H * K + i_hv * V
+    o_v = v0 + o_b
+    S = tl.load(p_s0 + o_v[:, None] * K + o_k[None, :], mask=(o_v < V)[:, None] & m_k[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -160,8 +165,11 @@ def _ring_main_kernel(
     p_dr = ring_d + slot * slot_stride_d + i_hv * (L * V)
     p_kr = ring_k + slot * slot_stride_k + i_h * (L * K)
 
+    m_v = o_v < V
+    m_vk = m_v[:, None] & m_k[None, :]
+    p_s = p_s0 + o_v[:, None] * K + o_k[None, :]
     S = S.to(tl.float32)
-    v = tl.load(qkv + row * stride_qkv + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    v = tl.load(p_x + o_v, mask=m_v, other=0.0).to(tl.float32)
     rd = tl.load(p_dr + o_l[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.0)
     rd = rd.to(tl.float32)
 
@@ -169,7 +177,7 @@ def _ring_main_kernel(
     Sk = eG * tl.sum(S * k[None, :], 1) + tl.sum(rd * ck[:, None], 0)
     d = beta * (v - alpha * Sk)
     o = alpha * Sq + d * k_dot_q
-    tl.store(p_out, o.to(out.dtype.element_ty), mask=m_v)
+    tl.store(p_out + o_v, o.to(out.dtype.element_ty), mask=m_v)
 
     if flush:
         # S_new = alpha (exp(G_n) S_c + sum_{j<n} w_j d_j k_j^T) + d k^T on the tile held.
