@@ -137,7 +137,7 @@ def load_native(vllm_root=None):
 def load_baseline(path):
     """ring_decode of the kernel package copied to `path` (loaded under its own name, so both
     packages live in one process): the package's export, or its ring_decode module's (the
-    layout before 2026-12-02)."""
+    layout before 2026-12-01)."""
     import importlib
     import importlib.util
 

@@ -94,16 +94,24 @@ def _passthrough(native, call, state_vk, indices, bound, rows=None):
 
 
 def _binder(native):
-    """Name every argument of a call to `native` (vLLM passes them by keyword today)."""
-    sig = inspect.signature(native)
-    defaults = {k: v.default for k, v in sig.parameters.items() if v.default is not inspect.Parameter.empty}
+    """Name every argument of a call to `native`: its defaults, then the positional arguments
+    by the signature's order, then the keywords (vLLM passes them by keyword today). The
+    signature is read once, here; a call costs a dict copy."""
+    params = inspect.signature(native).parameters
+    names = tuple(params)
+    defaults = {k: v.default for k, v in params.items() if v.default is not inspect.Parameter.empty}
 
     def bind(args, kw):
-        if not args:
-            return {**defaults, **kw}
-        bound = sig.bind(*args, **kw)
-        bound.apply_defaults()
-        return dict(bound.arguments)
+        p = dict(defaults)
+        if args:
+            if len(args) > len(names):
+                raise TypeError(f"{native.__name__}() takes {len(names)} arguments ({len(args)} given)")
+            twice = set(names[:len(args)]) & kw.keys()
+            if twice:
+                raise TypeError(f"{native.__name__}() got multiple values for {sorted(twice)}")
+            p.update(zip(names, args))
+        p.update(kw)
+        return p
 
     return bind
 

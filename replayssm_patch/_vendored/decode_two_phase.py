@@ -119,7 +119,7 @@ def _ring_main_kernel(
     # Program = (row, value head, block of BV value rows), value block fastest. Keep the
     # statement order: with the same arithmetic reordered (masks and offsets computed once, up
     # front) Triton 3.6 scheduled the loads differently and the kernel ran 2-9% slower on an
-    # H200 (benchmarks/results/kernel_split_2026-12-02/).
+    # H200 (benchmarks/results/kernel_split_2026-12-01/).
     pid = tl.program_id(0)
     i_v = pid % NV
     i_hv = (pid // NV) % HV
