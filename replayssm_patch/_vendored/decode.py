@@ -28,19 +28,19 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 
 from .decode_fused import launch_fused
 from .decode_replay import launch_replay
 from .decode_shared import RowFlags, block_v
 from .decode_two_phase import launch_two_phase
-from .launch import DecodeLaunch, decode_launch, flush_tc_supported
+from .launch import DecodeLaunch, decode_launch, flush_tc_supported, next_pow2
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
 
 _FORMS = {"fused": launch_fused, "two_phase": launch_two_phase, "replay": launch_replay}
 
 
-@dataclasses.dataclass(frozen=True)
+# Plain slotted records (built per call: a frozen dataclass costs several times more host time)
+@dataclasses.dataclass(slots=True)
 class Geometry:
     N: int
     H: int
@@ -53,7 +53,7 @@ class Geometry:
     strides: tuple  # slot strides of state, ring_d, ring_k, ring_g
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Args:
     qkv: torch.Tensor
     a: torch.Tensor
@@ -125,7 +125,7 @@ def ring_decode(
         return out3
     launch = decode_launch(N, HV, state.dtype, ring_d.dtype, L, dev)
     _check_flush_tc(launch, V, ring_d, L)
-    geo = Geometry(N, H, HV, K, V, L, triton.next_power_of_2(K), max(16, triton.next_power_of_2(L)), strides)
+    geo = Geometry(N, H, HV, K, V, L, next_pow2(K), max(16, next_pow2(L)), strides)
     args = Args(mixed_qkv, a, b, A_log, dt_bias, float(scale), state, out, state_indices,
                 ring_d, ring_k, ring_g, cursor, ff, se, bool(use_qk_l2norm))
     _FORMS[launch.form](launch, args, geo)

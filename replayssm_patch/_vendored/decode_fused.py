@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .decode_shared import TICKET_SHIFT, block_v, rank_update_tc
 from .gdn_gates import gdn_beta, gdn_log_decay
+from .launch import cdiv
 
 
 @triton.jit
@@ -162,7 +163,7 @@ def launch_fused(launch, args, geo) -> None:
     """Run the fused kernel: `args` holds the checked tensors and flags, `geo` the shapes
     (see decode.ring_decode)."""
     BV = block_v(launch.block_v, geo.V)
-    NV = triton.cdiv(geo.V, BV)
+    NV = cdiv(geo.V, BV)
     if geo.HV * NV >= 1 << (31 - TICKET_SHIFT):
         raise ValueError(f"too many programs per row ({geo.HV * NV}) for the cursor ticket")
     ss, sd, sk, sg = geo.strides

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .decode_shared import block_v, row_cursor
 from .gdn_gates import gdn_beta, gdn_log_decay
+from .launch import cdiv, next_pow2
 
 
 @triton.jit
@@ -202,9 +203,9 @@ def launch_replay(launch, args, geo) -> None:
     """Run the replay-vector prep and main kernels (see decode.ring_decode)."""
     N, H, HV, K, V, L, BK, LP = geo.N, geo.H, geo.HV, geo.K, geo.V, geo.L, geo.BK, geo.LP
     ss, sd, sk, sg = geo.strides
-    BVF = max(16, triton.next_power_of_2(V))
+    BVF = max(16, next_pow2(V))
     BV = block_v(launch.block_v, V)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     dev = args.state.device
     rep = torch.empty(N, HV, 2, BVF, dtype=torch.float32, device=dev)
     sc = torch.empty(N, HV, 8, dtype=torch.float32, device=dev)

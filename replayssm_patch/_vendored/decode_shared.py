@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import next_pow2
+
 TICKET_SHIFT = 16  # cursor = arrivals << 16 | n while a launch that takes tickets is in flight
 
 
@@ -64,7 +66,7 @@ class RowFlags:
 
 def block_v(launch_block_v: int, V: int) -> int:
     """A launch's value rows per program, at most V rounded up to a power of two (>= 16)."""
-    return min(launch_block_v, max(16, triton.next_power_of_2(V)))
+    return min(launch_block_v, max(16, next_pow2(V)))
 
 
 def use_pdl(launch, state: torch.Tensor) -> bool:

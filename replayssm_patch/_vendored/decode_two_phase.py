@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .decode_shared import block_v, rank_update_tc, row_cursor, use_pdl
 from .gdn_gates import gdn_beta, gdn_log_decay
+from .launch import cdiv, next_pow2
 
 
 @triton.jit
@@ -207,7 +208,7 @@ def launch_two_phase(launch, args, geo) -> None:
     N, H, HV, K, V, L, BK, LP = geo.N, geo.H, geo.HV, geo.K, geo.V, geo.L, geo.BK, geo.LP
     ss, sd, sk, sg = geo.strides
     BV = block_v(launch.block_v, V)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     pdl = use_pdl(launch, args.state)
     dev = args.state.device
     qk = torch.empty(N, H, 2, BK, dtype=torch.float32, device=dev)
@@ -218,7 +219,7 @@ def launch_two_phase(launch, args, geo) -> None:
         args.ff.ptr, args.se.ptr, qk, coef, meta, args.scale,
         args.qkv.stride(0), args.a.stride(0), args.b.stride(0), args.idx.stride(0), args.ff.stride, args.se.stride,
         sk, sg,
-        H=H, HV=HV, K=K, L=L, BK=BK, LP=LP, GP=triton.next_power_of_2(HV // H),
+        H=H, HV=HV, K=K, L=L, BK=BK, LP=LP, GP=next_pow2(HV // H),
         HAS_FF=args.ff.given, HAS_SE=args.se.given, L2NORM=args.l2norm, USE_PDL=pdl,
         num_warps=2 if BK * LP <= 2048 else 4, num_stages=1,
     )

@@ -32,7 +32,6 @@ import math
 import re
 
 import torch
-import triton
 
 FORMS = ("fused", "two_phase", "replay")
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -144,6 +143,16 @@ def override_launch(decode: DecodeLaunch | None = None, verify: VerifyLaunch | N
         _decode_override.reset(tokens[0])
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1); triton.next_power_of_2 without its
+    constexpr-function wrapper, which costs microseconds of host time per call."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -159,7 +168,7 @@ def flush_tc_supported(ring_dtype: torch.dtype, L: int, device: torch.device) ->
     """Whether the tensor-core flush can run: 16-bit ring entries (the keys enter the product
     exactly), >= 16 padded ring entries (tl.dot's smallest K); bf16 only on a GPU (Triton's
     interpreter computes bf16 dots wrongly, fp16 ones right)."""
-    return (ring_dtype in _SIXTEEN_BIT and triton.next_power_of_2(L) >= 16
+    return (ring_dtype in _SIXTEEN_BIT and next_pow2(L) >= 16
             and (device.type == "cuda" or ring_dtype == torch.float16))
 
 
@@ -180,10 +189,17 @@ def pick_decode_launch(rows: int, HV: int, state_dtype: torch.dtype, ring_dtype:
     raise AssertionError(f"DECODE_TABLE has no row for {pairs} pairs")  # its last row covers < 512
 
 
-def decode_launch(rows, HV, state_dtype, ring_dtype, L, device) -> DecodeLaunch:
-    """The override in force, else the table's pick."""
+def decode_launch(rows, HV, state_dtype, ring_dtype, L, device: torch.device) -> DecodeLaunch:
+    """The override in force, else the table's pick (cached: this runs per layer and step)."""
     forced = _decode_override.get()
-    return forced if forced is not None else pick_decode_launch(rows, HV, state_dtype, ring_dtype, L, device)
+    if forced is not None:
+        return forced
+    return _cached_pick(rows, HV, state_dtype, ring_dtype, L, device, num_sms(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_pick(rows, HV, state_dtype, ring_dtype, L, device, sms) -> DecodeLaunch:
+    return pick_decode_launch(rows, HV, state_dtype, ring_dtype, L, device)  # sms: part of the key
 
 
 def verify_launch() -> VerifyLaunch:

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .decode_shared import TICKET_SHIFT
+from .launch import cdiv, next_pow2
 from .ring_checks import ring_geometry
 
 
@@ -94,10 +95,10 @@ def ring_materialize(
         raise ValueError("start_empty must be a contiguous 1-D tensor with an entry per slot, on the state's device")
     if slots.numel() == 0:
         return
-    BK = triton.next_power_of_2(K)
-    BV = min(32, max(16, triton.next_power_of_2(V)))
-    NV = triton.cdiv(V, BV)
-    LP = max(16, triton.next_power_of_2(L))
+    BK = next_pow2(K)
+    BV = min(32, max(16, next_pow2(V)))
+    NV = cdiv(V, BV)
+    LP = max(16, next_pow2(L))
     if HV * NV >= 1 << (31 - TICKET_SHIFT):
         raise ValueError(f"too many programs per slot ({HV * NV}) for the cursor ticket")
     grid = (slots.shape[0] * HV * NV,)
@@ -120,4 +121,4 @@ def ring_reset(cursor: torch.Tensor, slots: torch.Tensor) -> None:
     if n == 0:
         return
     BLOCK = 128
-    _ring_reset_kernel[(triton.cdiv(n, BLOCK),)](cursor, slots, n, slots.stride(0), BLOCK=BLOCK, num_warps=4)
+    _ring_reset_kernel[(cdiv(n, BLOCK),)](cursor, slots, n, slots.stride(0), BLOCK=BLOCK, num_warps=4)

@@ -75,7 +75,7 @@ import triton
 import triton.language as tl
 
 from .gdn_gates import gdn_beta, gdn_log_decay
-from .launch import verify_launch
+from .launch import cdiv, next_pow2, verify_launch
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
 from .ring_reference import CURSOR_FIELD_MASK, pack_cursor, unpack_cursor  # noqa: F401 (re-exported)
 
@@ -406,15 +406,15 @@ def ring_verify(
     if N == 0:
         return out3
     launch = verify_launch()
-    BV = min(launch.block_v, max(16, triton.next_power_of_2(V)))
-    BK = max(16, triton.next_power_of_2(K))
-    WP = max(16, triton.next_power_of_2(max_tokens))
+    BV = min(launch.block_v, max(16, next_pow2(V)))
+    BK = max(16, next_pow2(K))
+    WP = max(16, next_pow2(max_tokens))
     acc_arg = acc if acc is not None else state_indices
-    GP = triton.next_power_of_2(HV // H)
-    NV = triton.cdiv(V, BV)
+    GP = next_pow2(HV // H)
+    NV = cdiv(V, BV)
     # Per-token scalars and the normalised q/k, in scratch that under CUDA-graph capture
     # comes from the graph's memory pool.
-    RW = triton.next_power_of_2(1 + 2 * GP)
+    RW = next_pow2(1 + 2 * GP)
     gates = torch.empty((N, H, WP, RW), dtype=torch.float32, device=dev)
     qk = torch.empty((ntok, H, 2, K), dtype=torch.float32, device=dev)
     _ring_verify_prep_kernel[(N * H,)](
@@ -435,7 +435,7 @@ def ring_verify(
         mixed_qkv, a, A_log, dt_bias, state_indices, cu_seqlens, acc_arg,
         ring_k, ring_g, cursor,
         mixed_qkv.stride(0), a.stride(0), state_indices.stride(0), s_acc, sk, sg,
-        H=H, HV=HV, K=K, L=L, BK=BK, GP=max(2, triton.next_power_of_2(HV // H)), WP=WP, MAXT=max_tokens,
+        H=H, HV=HV, K=K, L=L, BK=BK, GP=max(2, next_pow2(HV // H)), WP=WP, MAXT=max_tokens,
         HAS_ACC=acc is not None, L2NORM=bool(use_qk_l2norm),
         num_warps=4 if WP * BK > 2048 else 2, num_stages=1,
     )
@@ -460,7 +460,7 @@ def ring_commit(cursor: torch.Tensor, state_indices: torch.Tensor, num_accepted:
     if n == 0:
         return
     BLOCK = 128
-    _ring_commit_kernel[(triton.cdiv(n, BLOCK),)](
+    _ring_commit_kernel[(cdiv(n, BLOCK),)](
         cursor, state_indices, acc if acc is not None else state_indices, n,
         state_indices.stride(0), s_acc, L=L, HAS_ACC=acc is not None, BLOCK=BLOCK, num_warps=4,
     )
