@@ -113,6 +113,10 @@ def test_override_is_scoped_and_nests(h200):
         assert lt.decode_launch(1, 32, F32, F32, 16, CUDA) == a
         assert lt.verify_launch() == VerifyLaunch()
     assert lt.decode_launch(1, 32, F32, F32, 16, CUDA) == table
+    with override_launch(decode=a):  # an inner block naming only verify keeps the outer decode
+        with override_launch(verify=VerifyLaunch(16, 2)):
+            assert lt.decode_launch(1, 32, F32, F32, 16, CUDA) == a
+            assert lt.verify_launch() == VerifyLaunch(16, 2)
     with pytest.raises(RuntimeError):
         with override_launch(decode=a):
             raise RuntimeError("the block fails")

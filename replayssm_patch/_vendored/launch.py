@@ -130,17 +130,22 @@ _verify_override: contextvars.ContextVar[VerifyLaunch | None] = contextvars.Cont
 
 @contextlib.contextmanager
 def override_launch(decode: DecodeLaunch | None = None, verify: VerifyLaunch | None = None):
-    """Inside the block, ring_decode launches `decode` and ring_verify `verify` (None: the
-    default stays) instead of what the table picks."""
-    for name, value, kind in (("decode", decode, DecodeLaunch), ("verify", verify, VerifyLaunch)):
-        if value is not None and not isinstance(value, kind):
-            raise TypeError(f"override_launch({name}=...) takes a {kind.__name__} (got {type(value).__name__})")
-    tokens = (_decode_override.set(decode), _verify_override.set(verify))
+    """Inside the block, ring_decode launches `decode` and ring_verify `verify` instead of what
+    the table picks; None leaves that kernel's launch as it was (an enclosing block's, or the
+    table's)."""
+    tokens = []
     try:
+        for name, value, kind, var in (("decode", decode, DecodeLaunch, _decode_override),
+                                       ("verify", verify, VerifyLaunch, _verify_override)):
+            if value is None:
+                continue
+            if not isinstance(value, kind):
+                raise TypeError(f"override_launch({name}=...) takes a {kind.__name__} (got {type(value).__name__})")
+            tokens.append((var, var.set(value)))
         yield
     finally:
-        _verify_override.reset(tokens[1])
-        _decode_override.reset(tokens[0])
+        for var, token in reversed(tokens):
+            var.reset(token)
 
 
 def next_pow2(n: int) -> int:
