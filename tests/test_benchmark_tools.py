@@ -168,3 +168,21 @@ def test_kernel_baseline_loads_either_package_layout(tmp_path):
     assert fn.__module__ == "baseline_kernels.ring_decode" and fn(1, 2, 3) == 3
     for name in [m for m in sys.modules if m.startswith("baseline_kernels")]:
         del sys.modules[name]
+
+
+def test_host_overhead_times_both_arms(tmp_path):
+    """benchmarks/host_overhead.py in its own process (it stubs the kernels it times)."""
+    pytest.importorskip("triton")
+    import shutil
+    import subprocess
+    import sys
+
+    base = tmp_path / "base"
+    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "_vendored"), base)
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_overhead.py"), "--baseline", str(base),
+                    "--rows", "1,64", "--calls", "20", "--repeats", "2", "--out", str(out)], check=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert [r["rows"] for r in res["rows"]] == [1, 64]
+    for r in res["rows"]:
+        assert r["ours_us"] > 0 and r["baseline_us"] > 0 and r["ours_over_baseline"] > 0

@@ -20,15 +20,13 @@ def check_device(dev: torch.device, **tensors) -> None:
 
 def slot_stride(t: torch.Tensor, name: str) -> int:
     """Stride of the slot dim; the dims after it must be contiguous (a page view is fine)."""
-    inner = tuple(t.shape[1:])
-    expect, acc = [], 1
-    for size in reversed(inner):
-        expect.append(acc)
-        acc *= size
-    expect.reverse()
-    if any(sz > 1 and st != e for sz, st, e in zip(inner, t.stride()[1:], expect)):
-        raise ValueError(f"{name} must be contiguous after its slot dim (strides {t.stride()})")
-    return t.stride(0)
+    shape, stride = t.shape, t.stride()
+    acc = 1  # the stride a contiguous layout gives dim i (size-1 dims may have any)
+    for i in range(len(shape) - 1, 0, -1):
+        if shape[i] > 1 and stride[i] != acc:
+            raise ValueError(f"{name} must be contiguous after its slot dim (strides {stride})")
+        acc *= shape[i]
+    return stride[0]
 
 
 def ring_geometry(state, ring_d, ring_k, ring_g, cursor, max_len: int):

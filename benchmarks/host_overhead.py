@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Host time of one `ring_decode` call: its Python path with the Triton launches stubbed out.
+
+    python benchmarks/host_overhead.py [--baseline DIR] [--out results.json]
+
+In eager and piecewise-compiled steps vLLM calls the decode once per GDN layer per step, so
+this time is paid per layer (under a full CUDA graph it is paid only at capture). Runs on the
+CPU with CPU tensors: the argument checks, the launch pick and the scratch allocations run as
+on a GPU, only the kernels do not. `--baseline DIR` times a copy of another commit's kernel
+package (as in kernel_decode.py) in the same process, interleaved; median of repeats, us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import timeit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+import torch  # noqa: E402
+
+H, HV, K, V, L = 16, 32, 128, 128, 16  # the Qwen3-Next / Qwen3.5-9B GDN shape
+KERNEL_MODULES = ("decode", "decode_fused", "decode_two_phase", "decode_replay", "ring_decode")
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def stub_kernels(pkg: str) -> None:
+    """Replace every @triton.jit kernel (a `_..._kernel` attribute) of the package's decode modules."""
+    for name in KERNEL_MODULES:
+        try:
+            mod = importlib.import_module(f"{pkg}.{name}")
+        except ImportError:
+            continue
+        for attr in dir(mod):
+            if attr.startswith("_") and attr.endswith("_kernel"):
+                setattr(mod, attr, _NoLaunch())
+
+
+def decode_args(rows: int, slots: int = 600):
+    f32 = torch.float32
+    return (torch.randn(rows, 2 * H * K + HV * V), torch.randn(rows, HV), torch.randn(rows, HV),
+            torch.zeros(HV), torch.zeros(HV), K ** -0.5, torch.zeros(slots, HV, V, K, dtype=f32),
+            torch.empty(rows, 1, HV, V), torch.arange(1, rows + 1, dtype=torch.int32),
+            torch.zeros(slots, HV, L, V), torch.zeros(slots, H, L, K), torch.zeros(slots, HV, L),
+            torch.zeros(slots, dtype=torch.int32), torch.zeros(rows, dtype=torch.bool),
+            torch.zeros(rows, dtype=torch.bool))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", default=None, metavar="DIR", help="a copy of another commit's _vendored")
+    ap.add_argument("--rows", default="1,64,512")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import replayssm_patch._vendored as ours
+
+    stub_kernels("replayssm_patch._vendored")
+    arms = {"ours": ours.ring_decode}
+    if args.baseline:
+        import kernel_decode
+
+        arms["baseline"] = kernel_decode.load_baseline(args.baseline)
+        stub_kernels("baseline_kernels")
+    rows_out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        a = decode_args(rows)
+        times = {k: [] for k in arms}
+        for _ in range(args.repeats):  # arms interleaved
+            for name, fn in arms.items():
+                times[name].append(timeit.timeit(lambda: fn(*a), number=args.calls) / args.calls * 1e6)
+        row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
+        if "baseline" in arms:
+            row["ours_over_baseline"] = round(row["ours_us"] / row["baseline_us"], 3)
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python"] + sys.argv), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "python": sys.version.split()[0], "torch": torch.__version__, "shape": {"H": H, "HV": HV, "K": K, "V": V, "L": L},
+           "method": f"median of {args.repeats} interleaved repeats of {args.calls} calls; Triton launches stubbed",
+           "baseline": args.baseline, "rows": rows_out}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
