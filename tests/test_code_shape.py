@@ -31,8 +31,11 @@ def _imports(name: str, path: str, modules: dict[str, str]) -> tuple[set[str], s
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
             for a in node.names:
-                (inside if a.name.split(".")[0] == PKG else outside).add(
-                    a.name if a.name.split(".")[0] == PKG else a.name.split(".")[0])
+                top = a.name.split(".")[0]
+                if top == PKG:
+                    inside.add(a.name)
+                else:
+                    outside.add(top)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = name.split(".") if is_pkg else name.split(".")[:-1]

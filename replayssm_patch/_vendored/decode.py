@@ -75,8 +75,10 @@ class Args:
 
 def _check_flush_tc(launch: DecodeLaunch, V: int, ring_d: torch.Tensor, L: int) -> None:
     """An overridden launch may ask for the tensor-core flush where it cannot run: refuse it."""
+    if not launch.flush_tc:
+        return
     BV = block_v(launch.block_v, V)
-    if launch.flush_tc and (BV < 16 or not flush_tc_supported(ring_d.dtype, L, ring_d.device)):
+    if BV < 16 or not flush_tc_supported(ring_d.dtype, L, ring_d.device):
         raise ValueError(
             f"launch {launch.name}: the tensor-core flush needs blocks of >= 16 value rows (got {BV}), "
             f"L > 8 (got {L}) and a float16 ring, or a bfloat16 one on CUDA (got {ring_d.dtype} on "
