@@ -67,6 +67,16 @@ def install_compile_only_driver(arch: int):
     return compiled, triton.__version__
 
 
+def let_tma_compile(arch: int) -> None:
+    """The TMA form asks the GPU for its capability, occupancy and PDL; compile-only, answer
+    for `arch` (the grid size does not change the code)."""
+    from replayssm_patch._vendored import decode, decode_tma
+
+    decode.tma_capable = lambda device: arch >= 90
+    decode_tma._programs_per_sm = lambda kernel_args, constexprs, device: 1
+    decode_tma.use_pdl = lambda launch, state: launch.pdl and arch >= 90
+
+
 def cubin_report(kernel, tools: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
@@ -107,7 +117,7 @@ def main(argv=None):
                     help="ring d/k dtype (auto: fp32 for an fp32 state, else the state's)")
     ap.add_argument("--launches", nargs="*", default=["fused_bv16_w1", "fused_bv32_w1", "two_phase_bv8_w1",
                                                      "replay_bv8_w1", "replay_bv16_w1", "replay_bv32_w1"],
-                    help="launches by name (DecodeLaunch.name: form_bvN_wM[_pdl][_tc])")
+                    help="launches by name (DecodeLaunch.name: form_bvN_wM[_pdl][_tc][_sS])")
     args = ap.parse_args(argv)
 
     import torch
@@ -115,6 +125,9 @@ def main(argv=None):
 
     compiled, tver = install_compile_only_driver(args.arch)
     from replayssm_patch._vendored import DecodeLaunch, override_launch, ring_decode
+
+    if any(name.startswith("tma_") for name in args.launches):
+        let_tma_compile(args.arch)
 
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     dts = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -70,7 +70,9 @@ SWEEP = [DecodeLaunch("fused", bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (1
     DecodeLaunch("two_phase", 8), DecodeLaunch("two_phase", 8, pdl=True), DecodeLaunch("two_phase", 16),
     DecodeLaunch("replay", 8), DecodeLaunch("replay", 16), DecodeLaunch("replay", 32),
     DecodeLaunch("fused", 16, flush_tc=True), DecodeLaunch("fused", 32, flush_tc=True),
-    DecodeLaunch("two_phase", 16, pdl=True, flush_tc=True), DecodeLaunch("two_phase", 32, pdl=True, flush_tc=True)]
+    DecodeLaunch("two_phase", 16, pdl=True, flush_tc=True), DecodeLaunch("two_phase", 32, pdl=True, flush_tc=True)] + [
+    DecodeLaunch("tma", bv, w, pdl=pdl, stages=s) for bv, w, s in (
+        (16, 4, 2), (32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 2, 2), (64, 8, 2)) for pdl in (False, True)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -309,8 +311,9 @@ def swept(args):
     16-bit ring)."""
     if not args.sweep:
         return []
+    tma = torch.cuda.get_device_capability()[0] in (9, 10)
     return [c for c in SWEEP if (args.sweep_only is None or c.name in args.sweep_only)
-            and not (c.flush_tc and RING_DTYPE == torch.float32)]
+            and not (c.flush_tc and RING_DTYPE == torch.float32) and (tma or c.form != "tma")]
 
 
 def run(args):

@@ -23,7 +23,8 @@ def h200(monkeypatch):
     monkeypatch.setattr(lt, "num_sms", lambda device: 132)
 
 
-# (rows, HV, state, ring) -> launch on a 132-SM GPU with L = 16: the table of docs/kernels.md.
+# (rows, HV, state, ring) -> launch on a 132-SM GPU with L = 16 and no TMA form (GPUs before
+# Hopper): the Triton rows of the table in docs/kernels.md.
 EXPECTED = [
     (1, 32, BF16, BF16, DecodeLaunch("fused", 16, flush_tc=True)),
     (2, 32, F32, BF16, DecodeLaunch("fused", 16, flush_tc=True)),
@@ -43,18 +44,58 @@ EXPECTED = [
 ]
 
 
+# The same where the TMA form runs (an H200): its rows come first where they apply.
+EXPECTED_TMA = [
+    (8, 32, F32, BF16, DecodeLaunch("fused", 32)),                       # 256 pairs: below its rows
+    (16, 32, F32, BF16, DecodeLaunch("tma", 32, 4, stages=1)),           # 512 pairs, fp32 state
+    (64, 32, F32, F32, DecodeLaunch("tma", 32, 4, stages=2)),            # 2048 pairs
+    (512, 64, F32, BF16, DecodeLaunch("tma", 32, 4, stages=2)),          # fp32 state: up to any size
+    (16, 32, BF16, BF16, DecodeLaunch("tma", 32, 4, pdl=True, stages=1)),  # 16-bit state
+    (64, 32, F16, F16, DecodeLaunch("tma", 32, 2, stages=2)),
+    (255, 32, BF16, BF16, DecodeLaunch("tma", 32, 2, stages=2)),
+    (256, 32, BF16, BF16, DecodeLaunch("replay", 16)),                   # 8192 pairs: replay wins
+    (4, 32, BF16, BF16, DecodeLaunch("fused", 32)),
+]
+
+
 @pytest.mark.parametrize("rows,HV,state,ring,want", EXPECTED)
 def test_table_picks(h200, rows, HV, state, ring, want):
-    assert lt.pick_decode_launch(rows, HV, state, ring, 16, CUDA) == want
+    assert lt.pick_decode_launch(rows, HV, state, ring, 16, CUDA, tma=False) == want
+
+
+@pytest.mark.parametrize("rows,HV,state,ring,want", EXPECTED_TMA)
+def test_table_picks_with_tma(h200, rows, HV, state, ring, want):
+    assert lt.pick_decode_launch(rows, HV, state, ring, 16, CUDA, tma=True) == want
+
+
+def test_tma_form_only_where_it_runs(h200):
+    """The interpreter (and a GPU before Hopper) never gets a TMA launch from the table, and a
+    pick asked to leave it out (a checkpoint it cannot address) falls to the Triton rows."""
+    assert not lt.tma_capable(torch.device("cpu"))
+    for rows in (16, 64, 512):
+        assert lt.pick_decode_launch(rows, 32, F32, F32, 16, "cpu").form != "tma"
+    assert lt.decode_launch(64, 32, F32, F32, 16, torch.device("cpu"), tma=False) == DecodeLaunch("two_phase", 8)
+
+
+def test_tma_fits_checks_the_checkpoint_layout():
+    state = torch.zeros(4, 2, 128, 128)
+    assert lt.tma_fits(state, 128, 128, 32, state.stride(0))
+    assert not lt.tma_fits(state, 128, 128, 512, state.stride(0))  # block_v > 256
+    assert not lt.tma_fits(state, 96, 128, 32, state.stride(0))    # K not a power of two
+    assert not lt.tma_fits(state, 128, 80, 32, state.stride(0))    # V not a multiple of block_v
+    page = torch.zeros(4, 2 * 128 * 128 + 3)                       # slot stride of 3 extra floats
+    view = page[:, :2 * 128 * 128].view(4, 2, 128, 128)
+    assert not lt.tma_fits(view, 128, 128, 32, page.stride(0))
+    assert not lt.tma_fits(page[:, 1:1 + 2 * 128 * 128].view(4, 2, 128, 128), 128, 128, 32, 2 * 128 * 128 + 4)
 
 
 def test_table_covers_every_size_with_valid_launches(h200):
     for state in (F32, BF16, F16):
         for ring in (F32, BF16, F16):
-            for L in (4, 16, 32):
+            for L, tma in ((4, False), (16, False), (32, False), (16, True), (32, True)):
                 for rows in range(1, 600):
-                    got = lt.pick_decode_launch(rows, 32, state, ring, L, CUDA)
-                    assert isinstance(got, DecodeLaunch)
+                    got = lt.pick_decode_launch(rows, 32, state, ring, L, CUDA, tma=tma)
+                    assert isinstance(got, DecodeLaunch) and (tma or got.form != "tma")
                     # The tensor-core flush only where it can run.
                     assert not got.flush_tc or lt.flush_tc_supported(ring, L, CUDA)
 
@@ -77,6 +118,11 @@ def test_no_tensor_core_flush_with_bf16_ring_in_the_interpreter():
     (dict(form="fused", block_v=16, num_warps=3), "num_warps"),
     (dict(form="fused", block_v=16, pdl=True), "pdl"),
     (dict(form="replay", block_v=16, flush_tc=True), "flush_tc"),
+    (dict(form="tma", block_v=32, flush_tc=True, stages=2), "flush_tc"),
+    (dict(form="tma", block_v=32, stages=0), "stages"),
+    (dict(form="tma", block_v=32, stages=9), "stages"),
+    (dict(form="two_phase", block_v=32, stages=2), "stages"),
+    (dict(form="replay", block_v=16, pdl=True), "pdl"),
 ])
 def test_decode_launch_rejects_what_no_form_has(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -87,6 +133,10 @@ def test_launch_names_round_trip():
     for row in lt.DECODE_TABLE:
         assert DecodeLaunch.from_name(row.launch.name) == row.launch
     assert DecodeLaunch.from_name("two_phase_bv16_w2_pdl_tc") == DecodeLaunch("two_phase", 16, 2, True, True)
+    tma = DecodeLaunch("tma", 32, 4, pdl=True, stages=3)
+    assert tma.name == "tma_bv32_w4_pdl_s3" and DecodeLaunch.from_name(tma.name) == tma
+    with pytest.raises(ValueError, match="stages"):
+        DecodeLaunch.from_name("fused_bv16_w1_s2")
     with pytest.raises(ValueError, match="form_bvN_wM"):
         DecodeLaunch.from_name("16,1,1,0")
     with pytest.raises(ValueError, match="pdl"):
@@ -148,3 +198,18 @@ def test_package_exports_load_lazily():
         assert getattr(lib, name) is not None
     with pytest.raises(AttributeError):
         lib.pick_decode_config  # noqa: B018 (the old name is gone)
+
+
+def test_tma_launch_refused_with_a_reason_where_it_cannot_run():
+    """An override naming the TMA form off Hopper fails with the launch's name and what the form
+    needs, before anything is launched or imported from Gluon."""
+    from replayssm_patch._vendored import ring_decode
+
+    H, HV, K, L, N = 1, 2, 16, 4, 2
+    qkv = torch.zeros(N, 2 * H * K + HV * K)
+    args = (qkv, torch.zeros(N, HV), torch.zeros(N, HV), torch.zeros(HV), torch.zeros(HV), 1.0,
+            torch.zeros(3, HV, K, K), torch.empty(N, HV, K), torch.arange(1, N + 1, dtype=torch.int32),
+            torch.zeros(3, HV, L, K), torch.zeros(3, H, L, K), torch.zeros(3, HV, L), torch.zeros(3, dtype=torch.int32))
+    with override_launch(decode=DecodeLaunch("tma", 16, 4, stages=2)):
+        with pytest.raises(ValueError, match="tma_bv16_w4_s2: the TMA form needs a CUDA GPU of capability 9"):
+            ring_decode(*args)

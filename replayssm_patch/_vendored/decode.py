@@ -17,10 +17,11 @@ the end): it is replayed and the step flushes. A larger value (corrupt state) is
 instead of reading out of bounds. A row flagged `start_empty` replays nothing (its state came
 without its ring); one flagged `force_flush` flushes whatever its fill.
 
-The three launch forms live in decode_fused, decode_two_phase and decode_replay; `launch`
-picks one per call (its table, or an `override_launch` block). Each form keeps the cursor
-race-free without a host sync: the fused kernel by an arrival ticket on the cursor itself,
-the two-phase forms by reading it in one kernel and writing it in the next.
+The four launch forms live in decode_fused, decode_two_phase, decode_replay and decode_tma
+(Hopper / Blackwell, Gluon; imported only where it runs); `launch` picks one per call (its
+table, or an `override_launch` block). Each form keeps the cursor race-free without a host
+sync: the fused kernel by an arrival ticket on the cursor itself, the two-phase forms (tma
+included) by reading it in one kernel and writing it in the next.
 """
 
 from __future__ import annotations
@@ -33,10 +34,19 @@ from .decode_fused import launch_fused
 from .decode_replay import launch_replay
 from .decode_shared import RowFlags, block_v
 from .decode_two_phase import launch_two_phase
-from .launch import DecodeLaunch, decode_launch, flush_tc_supported, next_pow2
+from .launch import DecodeLaunch, decode_launch, flush_tc_supported, next_pow2, tma_capable, tma_fits
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
 
-_FORMS = {"fused": launch_fused, "two_phase": launch_two_phase, "replay": launch_replay}
+def _launch_tma(launch, args, geo) -> None:
+    if not tma_capable(args.state.device):  # before importing Gluon, which other builds may lack
+        raise ValueError(f"launch {launch.name}: the TMA form needs a CUDA GPU of capability 9.x or 10.x "
+                         f"and Triton's Gluon (state on {args.state.device})")
+    from .decode_tma import launch_tma
+
+    launch_tma(launch, args, geo)
+
+
+_FORMS = {"fused": launch_fused, "two_phase": launch_two_phase, "replay": launch_replay, "tma": _launch_tma}
 
 
 # Plain slotted records (built per call: a frozen dataclass costs several times more host time)
@@ -126,6 +136,8 @@ def ring_decode(
     if N == 0:
         return out3
     launch = decode_launch(N, HV, state.dtype, ring_d.dtype, L, dev)
+    if launch.form == "tma" and not tma_fits(state, K, V, launch.block_v, strides[0]):
+        launch = decode_launch(N, HV, state.dtype, ring_d.dtype, L, dev, tma=False)  # an override raises
     _check_flush_tc(launch, V, ring_d, L)
     geo = Geometry(N, H, HV, K, V, L, next_pow2(K), max(16, next_pow2(L)), strides)
     args = Args(mixed_qkv, a, b, A_log, dt_bias, float(scale), state, out, state_indices,

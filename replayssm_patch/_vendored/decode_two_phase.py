@@ -203,13 +203,10 @@ def _ring_main_kernel(
         tl.store(cursor + slot, tl.where(flush, 0, n + 1))
 
 
-def launch_two_phase(launch, args, geo) -> None:
-    """Run the prep and main kernels (see decode.ring_decode for `args` and `geo`)."""
-    N, H, HV, K, V, L, BK, LP = geo.N, geo.H, geo.HV, geo.K, geo.V, geo.L, geo.BK, geo.LP
-    ss, sd, sk, sg = geo.strides
-    BV = block_v(launch.block_v, V)
-    NV = cdiv(V, BV)
-    pdl = use_pdl(launch, args.state)
+def launch_prep(args, geo, pdl: bool):
+    """Run the prep kernel; return its scratch (qk, coef, meta) for a main kernel."""
+    N, H, HV, K, L, BK, LP = geo.N, geo.H, geo.HV, geo.K, geo.L, geo.BK, geo.LP
+    _, _, sk, sg = geo.strides
     dev = args.state.device
     qk = torch.empty(N, H, 2, BK, dtype=torch.float32, device=dev)
     coef = torch.empty(N, HV, 4, LP, dtype=torch.float32, device=dev)
@@ -223,6 +220,17 @@ def launch_two_phase(launch, args, geo) -> None:
         HAS_FF=args.ff.given, HAS_SE=args.se.given, L2NORM=args.l2norm, USE_PDL=pdl,
         num_warps=2 if BK * LP <= 2048 else 4, num_stages=1,
     )
+    return qk, coef, meta
+
+
+def launch_two_phase(launch, args, geo) -> None:
+    """Run the prep and main kernels (see decode.ring_decode for `args` and `geo`)."""
+    N, H, HV, K, V, L, BK, LP = geo.N, geo.H, geo.HV, geo.K, geo.V, geo.L, geo.BK, geo.LP
+    ss, sd, sk, _ = geo.strides
+    BV = block_v(launch.block_v, V)
+    NV = cdiv(V, BV)
+    pdl = use_pdl(launch, args.state)
+    qk, coef, meta = launch_prep(args, geo, pdl)
     extra = {"launch_pdl": True} if pdl else {}
     _ring_main_kernel[(N * HV * NV,)](
         args.qkv, args.out, args.state, args.idx, args.ring_d, args.ring_k, args.cursor, qk, coef, meta,

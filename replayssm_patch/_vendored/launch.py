@@ -1,22 +1,26 @@
 """Launch selection for the ring kernels: what a launch is, the measured table, the override.
 
-A decode launch (`DecodeLaunch`) names one of three forms and its few settings:
+A decode launch (`DecodeLaunch`) names one of four forms and its few settings:
 
     fused      one kernel; program = (row, value head, block of `block_v` value rows)
     two_phase  a prep kernel per (row, key head) does the ring's O(L K) work once, the main
                kernel per (row, value head, block) streams the checkpoint tile
     replay     two-phase whose prep also folds the live ring d entries into two vectors per
                value head, so the main kernel has native decode's shape
+    tma        two-phase prep, then a persistent main kernel (Gluon, Hopper / Blackwell) that
+               keeps `stages` checkpoint tiles per program in flight as bulk tensor copies
 
-`pdl` (two_phase only) lets the main kernel load its first tile while the prep kernel runs
-(programmatic dependent launch, Hopper and newer); `flush_tc` (fused, two_phase) does a
-flushing row's rank-n update as one tensor-core product (needs a 16-bit ring, blocks of >= 16
-rows and >= 16 padded ring entries; bf16 only on a GPU, whose dots the interpreter gets wrong).
+`pdl` (two_phase, tma) lets the main kernel start while the prep kernel runs (programmatic
+dependent launch, Hopper and newer); `flush_tc` (fused, two_phase) does a flushing row's
+rank-n update as one tensor-core product (needs a 16-bit ring, blocks of >= 16 rows and >= 16
+padded ring entries; bf16 only on a GPU, whose dots the interpreter gets wrong).
 
-`DECODE_TABLE` is the table from the H200 sweeps of 2026-12-01 (Triton 3.6, K = V = 128, L =
-16, bf16 activations; docs/kernels.md has the measurements). Its rows are tried in order and
-the first that matches wins; "pairs" = rows x value heads, scaled by SMs / 132. A row whose
-launch has `flush_tc` matches only where the tensor-core flush can run.
+`DECODE_TABLE` is the table from the H200 sweeps of 2026-12-01 and 2026-12-02 (Triton 3.6, K =
+V = 128, L = 16, bf16 activations; docs/kernels.md has the measurements). Its rows are tried in
+order and the first that matches wins; "pairs" = rows x value heads, scaled by SMs / 132. A row
+whose launch has `flush_tc` matches only where the tensor-core flush can run, a tma row only
+where the TMA form can (`tma_capable`; `ring_decode` also leaves it out for a checkpoint it
+cannot address, `tma_fits`).
 
 `override_launch` replaces the table's choice (and the verify kernel's launch) inside a
 `with` block, for benchmarks and tests, as vLLM's fused-MoE `override_config` does.
@@ -33,7 +37,7 @@ import re
 
 import torch
 
-FORMS = ("fused", "two_phase", "replay")
+FORMS = ("fused", "two_phase", "replay", "tma")
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -44,6 +48,7 @@ class DecodeLaunch:
     num_warps: int = 1
     pdl: bool = False
     flush_tc: bool = False
+    stages: int = 1  # tma only: checkpoint tiles in flight per program (1-8)
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -52,24 +57,30 @@ class DecodeLaunch:
             raise ValueError(f"DecodeLaunch.block_v must be a power of two >= 8 (got {self.block_v})")
         if self.num_warps not in (1, 2, 4, 8):
             raise ValueError(f"DecodeLaunch.num_warps must be 1, 2, 4 or 8 (got {self.num_warps})")
-        if self.pdl and self.form != "two_phase":
-            raise ValueError(f"DecodeLaunch.pdl applies to the two_phase form only (got form {self.form!r})")
-        if self.flush_tc and self.form == "replay":
+        if self.pdl and self.form not in ("two_phase", "tma"):
+            raise ValueError(f"DecodeLaunch.pdl applies to the two_phase and tma forms only (got form {self.form!r})")
+        if self.flush_tc and self.form not in ("fused", "two_phase"):
             raise ValueError("DecodeLaunch.flush_tc applies to the fused and two_phase forms only")
+        if self.form == "tma" and not 1 <= self.stages <= 8:
+            raise ValueError(f"DecodeLaunch.stages must be in [1, 8] for the tma form (got {self.stages})")
+        if self.form != "tma" and self.stages != 1:
+            raise ValueError(f"DecodeLaunch.stages applies to the tma form only (got form {self.form!r})")
 
     @property
     def name(self) -> str:
-        """Short label for benchmark tables and command lines, e.g. 'two_phase_bv16_w1_pdl_tc'."""
-        return (f"{self.form}_bv{self.block_v}_w{self.num_warps}"
-                + ("_pdl" if self.pdl else "") + ("_tc" if self.flush_tc else ""))
+        """Short label for benchmark tables and command lines, e.g. 'two_phase_bv16_w1_pdl_tc',
+        'tma_bv32_w4_s3'."""
+        return (f"{self.form}_bv{self.block_v}_w{self.num_warps}" + ("_pdl" if self.pdl else "")
+                + ("_tc" if self.flush_tc else "") + (f"_s{self.stages}" if self.form == "tma" else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeLaunch":
         """The launch a `name` labels (benchmarks take launches on the command line this way)."""
-        m = re.fullmatch(r"(fused|two_phase|replay)_bv(\d+)_w(\d+)(_pdl)?(_tc)?", name)
+        m = re.fullmatch(r"(fused|two_phase|replay|tma)_bv(\d+)_w(\d+)(_pdl)?(_tc)?(?:_s(\d+))?", name)
         if m is None:
-            raise ValueError(f"not a launch name: {name!r} (form_bvN_wM[_pdl][_tc], form one of {FORMS})")
-        return cls(m[1], int(m[2]), int(m[3]), pdl=bool(m[4]), flush_tc=bool(m[5]))
+            raise ValueError(f"not a launch name: {name!r} (form_bvN_wM[_pdl][_tc][_sS], form one of {FORMS})")
+        return cls(m[1], int(m[2]), int(m[3]), pdl=bool(m[4]), flush_tc=bool(m[5]),
+                   stages=int(m[6]) if m[6] else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +115,19 @@ def _two_phase(bv, pdl=False, tc=False):
     return DecodeLaunch("two_phase", bv, pdl=pdl, flush_tc=tc)
 
 
+def _tma(bv, w, stages, pdl=False):
+    return DecodeLaunch("tma", bv, w, pdl=pdl, stages=stages)
+
+
 _INF = math.inf
 DECODE_TABLE = (
+    # Hopper / Blackwell: the persistent TMA form (its rows match only where it can run). From
+    # 512 pairs it beat every Triton form for an fp32 state (0.92-0.95 of the replay roofline at
+    # batch 512); for a 16-bit state from 512 pairs up to where the replay form wins.
+    TableRow("fp32", "any", 2048, _INF, _tma(32, 4, 2)),
+    TableRow("fp32", "any", 512, 2048, _tma(32, 4, 1)),
+    TableRow("16-bit", "any", 2048, 8192, _tma(32, 2, 2)),
+    TableRow("16-bit", "any", 512, 2048, _tma(32, 4, 1, pdl=True)),
     # Large launches: the replay-vector form's main kernel runs at 62-82% of DRAM bandwidth
     # where two_phase's runs at 54-77%, which pays for its slower prep only at large batch;
     # with fp32 ring entries its prep reads twice the bytes and two_phase stays.
@@ -181,30 +203,58 @@ def _kind(dtype: torch.dtype) -> str:
     return "16-bit" if dtype in _SIXTEEN_BIT else "fp32"
 
 
+@functools.lru_cache(maxsize=None)
+def tma_capable(device: torch.device) -> bool:
+    """Whether the TMA form can run on `device`: a CUDA GPU of capability 9.x or 10.x (bulk
+    tensor copies) and a Triton with Gluon's Hopper modules."""
+    if (device.type != "cuda" or not torch.cuda.is_available()
+            or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
+        return False
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tma_fits(state: torch.Tensor, K: int, V: int, block_v: int, slot_stride: int) -> bool:
+    """Whether the TMA form can address this checkpoint: K a power of two in [16, 256], V a
+    multiple of block_v (<= 256), 16-byte aligned base, slot stride and rows."""
+    e = state.element_size()
+    return (K & (K - 1) == 0 and 16 <= K <= 256 and V % block_v == 0 and block_v <= 256
+            and state.data_ptr() % 16 == 0 and (slot_stride * e) % 16 == 0 and (K * e) % 16 == 0)
+
+
 def pick_decode_launch(rows: int, HV: int, state_dtype: torch.dtype, ring_dtype: torch.dtype, L: int,
-                       device) -> DecodeLaunch:
-    """The table's launch for `rows` decode rows of HV value heads (the first matching row)."""
+                       device, tma: bool | None = None) -> DecodeLaunch:
+    """The table's launch for `rows` decode rows of HV value heads (the first matching row).
+    `tma`: whether rows of the TMA form may match (default: where the device can run it)."""
     device = torch.device(device)
     pairs = rows * HV * 132.0 / num_sms(device)
     tc = flush_tc_supported(ring_dtype, L, device)
+    if tma is None:
+        tma = tma_capable(device)
     for r in DECODE_TABLE:
         if (r.state in ("any", _kind(state_dtype)) and r.ring in ("any", _kind(ring_dtype))
-                and r.min_pairs <= pairs < r.below and (tc or not r.launch.flush_tc)):
+                and r.min_pairs <= pairs < r.below and (tc or not r.launch.flush_tc)
+                and (tma or r.launch.form != "tma")):
             return r.launch
     raise AssertionError(f"DECODE_TABLE has no row for {pairs} pairs")  # its last row covers < 512
 
 
-def decode_launch(rows, HV, state_dtype, ring_dtype, L, device: torch.device) -> DecodeLaunch:
-    """The override in force, else the table's pick (cached: this runs per layer and step)."""
+def decode_launch(rows, HV, state_dtype, ring_dtype, L, device: torch.device, tma: bool = True) -> DecodeLaunch:
+    """The override in force, else the table's pick (cached: this runs per layer and step);
+    tma=False: a pick without the TMA form (a checkpoint it cannot address)."""
     forced = _decode_override.get()
     if forced is not None:
         return forced
-    return _cached_pick(rows, HV, state_dtype, ring_dtype, L, device, num_sms(device))
+    return _cached_pick(rows, HV, state_dtype, ring_dtype, L, device, num_sms(device), tma)
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_pick(rows, HV, state_dtype, ring_dtype, L, device, sms) -> DecodeLaunch:
-    return pick_decode_launch(rows, HV, state_dtype, ring_dtype, L, device)  # sms: part of the key
+def _cached_pick(rows, HV, state_dtype, ring_dtype, L, device, sms, tma) -> DecodeLaunch:
+    return pick_decode_launch(rows, HV, state_dtype, ring_dtype, L, device,  # sms: part of the key
+                              tma=tma and tma_capable(device))
 
 
 def verify_launch() -> VerifyLaunch:

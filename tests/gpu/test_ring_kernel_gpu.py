@@ -228,12 +228,23 @@ CASES = [
     ("gqa3_bf16_2phase_pdl_tcflush_bv16", 2, 6, 128, 128, 16, BF16, BF16,
      D("two_phase", 16, pdl=True, flush_tc=True)),
     ("gqa4_fp32_fp16ring_2phase_tcflush_bv32", 2, 8, 128, 128, 16, F32, F16, D("two_phase", 32, flush_tc=True)),
+    # the persistent TMA form (Hopper): tile sizes, warps, pipeline depths, ring lengths 12-32
+    ("gqa1_fp32_tma_bv32_w4_s3", 2, 2, 128, 128, 16, F32, F32, D("tma", 32, 4, stages=3)),
+    ("gqa2_bf16_tma_bv16_w4_s4", 2, 4, 128, 128, 16, BF16, BF16, D("tma", 16, 4, stages=4)),
+    ("gqa3_fp16_tma_bv32_w8_s2_L12", 2, 6, 128, 128, 12, F16, F16, D("tma", 32, 8, stages=2)),
+    ("gqa4_fp32_bf16ring_tma_bv32_w4_s3_L32", 2, 8, 128, 128, 32, F32, BF16, D("tma", 32, 4, stages=3)),
+    ("gqa4_bf16_tma_bv64_w8_s3", 2, 8, 128, 128, 16, BF16, BF16, D("tma", 64, 8, stages=3)),
+    ("k64_gqa2_fp32_tma_bv16_w2_s4", 2, 4, 64, 64, 16, F32, F32, D("tma", 16, 2, stages=4)),
+    ("k64_gqa4_bf16_tma_bv64_w4_s2_L24", 1, 4, 64, 64, 24, BF16, BF16, D("tma", 64, 4, stages=2)),
+    ("gqa2_fp32_tma_pdl_bv32_w4_s2", 2, 4, 128, 128, 16, F32, F32, D("tma", 32, 4, pdl=True, stages=2)),
+    ("gqa4_bf16_tma_pdl_bv16_w4_s1", 2, 8, 128, 128, 16, BF16, BF16, D("tma", 16, 4, pdl=True, stages=1)),
 ]
 
 TWO_PHASE_PDL = D("two_phase", 8, pdl=True)
 REPLAY = D("replay", 16)
 TC_FLUSH = D("fused", 16, flush_tc=True)
 TWO_PHASE_TC_FLUSH = D("two_phase", 16, pdl=True, flush_tc=True)
+TMA = D("tma", 32, 4, pdl=True, stages=2)
 
 
 def decode(launch, *args, **kwargs):
@@ -258,8 +269,8 @@ def test_bf16_output_and_contiguous_state():
     assert out_rel < 1e-2 and state_rel < 1e-2
 
 
-@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TC_FLUSH, TWO_PHASE_TC_FLUSH],
-                         ids=["table", "2phase_pdl", "replay", "tcflush", "2phase_tcflush"])
+@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TC_FLUSH, TWO_PHASE_TC_FLUSH, TMA],
+                         ids=["table", "2phase_pdl", "replay", "tcflush", "2phase_tcflush", "tma"])
 @pytest.mark.parametrize("sdt,rdt,bound", [(F32, F32, 1e-5), (BF16, BF16, 2e-2)], ids=["fp32", "bf16"])
 def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, launch):
     """force_flush / start_empty at random, 200 rows (the bandwidth-bound launch config), same
@@ -341,8 +352,8 @@ def test_materialize_drops_rows_flagged_start_empty():
             assert _rel(p.state[slot], ref[0][slot]) < 1e-6 and not torch.equal(p.state[slot], before[slot])
 
 
-@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TWO_PHASE_TC_FLUSH],
-                         ids=["table", "2phase_pdl", "replay", "2phase_tcflush"])
+@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TWO_PHASE_TC_FLUSH, TMA],
+                         ids=["table", "2phase_pdl", "replay", "2phase_tcflush", "tma"])
 def test_cuda_graph_full_cycle_matches_eager(launch):
     """A graph captured over one full ring cycle (L steps, per-step static inputs refilled
     before each replay) gives bit-identical results to eager calls on a copy."""
