@@ -1,4 +1,5 @@
-"""TMA decode form for Hopper (imports torch and triton only; the kernel is written in Gluon).
+"""TMA decode form for Hopper and Blackwell (imports torch and triton only; the main kernel is
+written in Gluon, triton.experimental.gluon).
 
 The two-phase form's prep kernel (decode_two_phase) does the per-row ring work; the main kernel
 here is persistent: each program walks the (row, value head, block of BV value rows) tiles
@@ -13,8 +14,9 @@ on the checkpoint tile, the live ring d entries' low-rank part, the output, then
 (not full) or the flush (full), whose rank-n part is one fp32 FMA product
 [BV, LP] x [LP, K] (the rank-1 loop's terms, in the same order).
 
-Needs CUDA capability 9.x or 10.x (TMA), K a power of two, V a multiple of BV and a state
-slot stride that is a multiple of K (the checkpoint is addressed as a 2-D [rows, K] tensor).
+Needs CUDA capability 9.x or 10.x (launch.tma_capable) and a checkpoint the copies can address
+(launch.tma_fits): K a power of two, V a multiple of BV, a 16-byte aligned base and slot stride;
+the checkpoint is addressed as a 3-D [slots, HV*V, K] tensor, so any page stride works.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ import functools
 
 import torch
 from triton.experimental import gluon
-from triton.runtime import driver
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime import driver
 
 from .decode_shared import use_pdl
 from .decode_two_phase import launch_prep
@@ -170,7 +172,7 @@ def _programs_per_sm(kernel_args, constexprs: dict, device: torch.device) -> int
     per_sm = _PROGRAMS_PER_SM.get(key)
     if per_sm is None:
         k = _tma_main_kernel.warmup(*kernel_args, grid=(1,), **constexprs)
-        k._init_handles()  # loads the binary, which reports its register count
+        k._init_handles()  # loads the binary, which reports its register count (Triton 3.6's API)
         warps = constexprs["num_warps"]
         regs = cdiv(k.n_regs * 32, 256) * 256 * warps  # allocated per warp in units of 256
         props = driver.active.utils.get_device_properties(
