@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Host time of one `ring_decode` call: its Python path with the Triton launches stubbed out.
 
-    python benchmarks/host_overhead.py [--baseline DIR] [--out results.json]
+    python benchmarks/host_overhead.py [--baseline DIR] [--tma] [--out results.json]
 
 In eager and piecewise-compiled steps vLLM calls the decode once per GDN layer per step, so
 this time is paid per layer (under a full CUDA graph it is paid only at capture). Runs on the
 CPU with CPU tensors: the argument checks, the launch pick and the scratch allocations run as
 on a GPU, only the kernels do not. `--baseline DIR` times a copy of another commit's kernel
 package (as in kernel_decode.py) in the same process, interleaved; median of repeats, us.
+`--tma` adds an arm that answers the TMA form's capability check with yes (as on Hopper) and its
+occupancy lookup as cached after the first call, so the table picks the TMA form where it would
+on an H200 and its launcher (tensor descriptor, constexprs, grid) is timed.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 import torch  # noqa: E402
 
 H, HV, K, V, L = 16, 32, 128, 128, 16  # the Qwen3-Next / Qwen3.5-9B GDN shape
-KERNEL_MODULES = ("decode", "decode_fused", "decode_two_phase", "decode_replay", "ring_decode")
+KERNEL_MODULES = ("decode", "decode_fused", "decode_two_phase", "decode_replay", "decode_tma", "ring_decode")
 
 
 class _NoLaunch:
@@ -50,6 +53,23 @@ def stub_kernels(pkg: str) -> None:
                 setattr(mod, attr, _NoLaunch())
 
 
+def tma_arm(pkg):
+    """ring_decode with the TMA form allowed on these CPU tensors (kernels stubbed)."""
+    decode = importlib.import_module(f"{pkg}.decode")
+    launch = importlib.import_module(f"{pkg}.launch")
+    decode_tma = importlib.import_module(f"{pkg}.decode_tma")
+    decode_tma._programs_per_sm = lambda kernel_args, constexprs, device: 4
+
+    def run(*a):
+        saved = decode.tma_capable, launch.tma_capable
+        decode.tma_capable = launch.tma_capable = lambda device: True
+        try:
+            return decode.ring_decode(*a)
+        finally:
+            decode.tma_capable, launch.tma_capable = saved
+    return run
+
+
 def decode_args(rows: int, slots: int = 600):
     f32 = torch.float32
     return (torch.randn(rows, 2 * H * K + HV * V), torch.randn(rows, HV), torch.randn(rows, HV),
@@ -66,6 +86,7 @@ def main(argv=None):
     ap.add_argument("--rows", default="1,64,512")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--tma", action="store_true", help="also time the TMA form's host path (as on Hopper)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -73,6 +94,8 @@ def main(argv=None):
 
     stub_kernels("replayssm_patch._vendored")
     arms = {"ours": ours.ring_decode}
+    if args.tma:
+        arms["ours_tma"] = tma_arm("replayssm_patch._vendored")
     if args.baseline:
         import kernel_decode
 
@@ -88,6 +111,8 @@ def main(argv=None):
         row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
         if "baseline" in arms:
             row["ours_over_baseline"] = round(row["ours_us"] / row["baseline_us"], 3)
+        if args.tma:
+            row["tma_launch"] = _tma_pick(rows)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -98,6 +123,12 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def _tma_pick(rows: int) -> str:
+    from replayssm_patch._vendored.launch import pick_decode_launch
+
+    return pick_decode_launch(rows, HV, torch.float32, torch.float32, L, "cpu", tma=True).name
 
 
 if __name__ == "__main__":

@@ -181,8 +181,10 @@ def test_host_overhead_times_both_arms(tmp_path):
     shutil.copytree(os.path.join(ROOT, "replayssm_patch", "_vendored"), base)
     out = tmp_path / "host.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_overhead.py"), "--baseline", str(base),
-                    "--rows", "1,64", "--calls", "20", "--repeats", "2", "--out", str(out)], check=True, timeout=300)
+                    "--rows", "1,64", "--calls", "20", "--repeats", "2", "--tma", "--out", str(out)],
+                   check=True, timeout=300)
     res = json.loads(out.read_text())
     assert [r["rows"] for r in res["rows"]] == [1, 64]
     for r in res["rows"]:
-        assert r["ours_us"] > 0 and r["baseline_us"] > 0 and r["ours_over_baseline"] > 0
+        assert r["ours_us"] > 0 and r["baseline_us"] > 0 and r["ours_over_baseline"] > 0 and r["ours_tma_us"] > 0
+    assert [r["tma_launch"] for r in res["rows"]] == ["fused_bv8_w1", "tma_bv32_w4_s2"]  # as the table on Hopper
