@@ -72,7 +72,7 @@ def let_tma_compile(arch: int) -> None:
     for `arch` (the grid size does not change the code)."""
     from replayssm_patch._vendored import decode, decode_tma
 
-    decode.tma_capable = lambda device: arch >= 90
+    decode.tma_capable = lambda device: arch // 10 == 9
     decode_tma._programs_per_sm = lambda kernel_args, constexprs, device: 1
     decode_tma.use_pdl = lambda launch, state: launch.pdl and arch >= 90
 

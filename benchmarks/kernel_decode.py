@@ -55,6 +55,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from replayssm_patch._vendored import DecodeLaunch, override_launch, pick_decode_launch, ring_decode  # noqa: E402
+from replayssm_patch._vendored.launch import tma_capable  # noqa: E402
 
 SHAPES = [("qwen3.5-122b", 16, 64), ("qwen3-next", 16, 32)]
 HEAD_DIM = 128
@@ -311,7 +312,7 @@ def swept(args):
     16-bit ring)."""
     if not args.sweep:
         return []
-    tma = torch.cuda.get_device_capability()[0] in (9, 10)
+    tma = tma_capable(torch.device("cuda", torch.cuda.current_device()))
     return [c for c in SWEEP if (args.sweep_only is None or c.name in args.sweep_only)
             and not (c.flush_tc and RING_DTYPE == torch.float32) and (tma or c.form != "tma")]
 

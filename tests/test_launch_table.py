@@ -77,6 +77,13 @@ def test_tma_form_only_where_it_runs(h200):
     assert lt.decode_launch(64, 32, F32, F32, 16, torch.device("cpu"), tma=False) == DecodeLaunch("two_phase", 8)
 
 
+def test_tma_form_only_on_the_triton_release_it_is_written_for():
+    """Gluon's API moves between Triton releases: only the tested release gets the TMA form."""
+    assert lt.gluon_release_ok("3.6.0") and lt.gluon_release_ok("3.6.1")
+    for version in ("3.5.1", "3.7.0", "3.9.0", "3.60.0"):
+        assert not lt.gluon_release_ok(version)
+
+
 def test_tma_fits_checks_the_checkpoint_layout():
     state = torch.zeros(4, 2, 128, 128)
     assert lt.tma_fits(state, 128, 128, 32, state.stride(0))
@@ -211,5 +218,5 @@ def test_tma_launch_refused_with_a_reason_where_it_cannot_run():
             torch.zeros(3, HV, K, K), torch.empty(N, HV, K), torch.arange(1, N + 1, dtype=torch.int32),
             torch.zeros(3, HV, L, K), torch.zeros(3, H, L, K), torch.zeros(3, HV, L), torch.zeros(3, dtype=torch.int32))
     with override_launch(decode=DecodeLaunch("tma", 16, 4, stages=2)):
-        with pytest.raises(ValueError, match="tma_bv16_w4_s2: the TMA form needs a CUDA GPU of capability 9"):
+        with pytest.raises(ValueError, match=r"tma_bv16_w4_s2: the TMA form needs a Hopper GPU \(CUDA capability 9.x\) and Triton 3.6.x"):
             ring_decode(*args)

@@ -18,7 +18,7 @@ instead of reading out of bounds. A row flagged `start_empty` replays nothing (i
 without its ring); one flagged `force_flush` flushes whatever its fill.
 
 The four launch forms live in decode_fused, decode_two_phase, decode_replay and decode_tma
-(Hopper / Blackwell, Gluon; imported only where it runs); `launch` picks one per call (its
+(Hopper, Gluon on Triton 3.6; imported only where it runs); `launch` picks one per call (its
 table, or an `override_launch` block). Each form keeps the cursor race-free without a host
 sync: the fused kernel by an arrival ticket on the cursor itself, the two-phase forms (tma
 included) by reading it in one kernel and writing it in the next.
@@ -34,13 +34,16 @@ from .decode_fused import launch_fused
 from .decode_replay import launch_replay
 from .decode_shared import RowFlags, block_v
 from .decode_two_phase import launch_two_phase
-from .launch import DecodeLaunch, decode_launch, flush_tc_supported, next_pow2, tma_capable, tma_fits
+from .launch import (GLUON_TRITON_RELEASES, DecodeLaunch, decode_launch, flush_tc_supported, next_pow2,
+                     tma_capable, tma_fits)
 from .ring_checks import check_device, check_packed_inputs, ring_geometry
+
 
 def _launch_tma(launch, args, geo) -> None:
     if not tma_capable(args.state.device):  # before importing Gluon, which other builds may lack
-        raise ValueError(f"launch {launch.name}: the TMA form needs a CUDA GPU of capability 9.x or 10.x "
-                         f"and Triton's Gluon (state on {args.state.device})")
+        raise ValueError(f"launch {launch.name}: the TMA form needs a Hopper GPU (CUDA capability 9.x) "
+                         f"and Triton {' or '.join(r + 'x' for r in GLUON_TRITON_RELEASES)} (its Gluon API; "
+                         f"state on {args.state.device})")
     from .decode_tma import launch_tma
 
     launch_tma(launch, args, geo)

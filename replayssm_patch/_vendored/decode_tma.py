@@ -1,5 +1,5 @@
-"""TMA decode form for Hopper and Blackwell (imports torch and triton only; the main kernel is
-written in Gluon, triton.experimental.gluon).
+"""TMA decode form for Hopper (imports torch and triton only; the main kernel is written in
+Gluon, triton.experimental.gluon, against Triton 3.6's API).
 
 The two-phase form's prep kernel (decode_two_phase) does the per-row ring work; the main kernel
 here is persistent: each program walks the (row, value head, block of BV value rows) tiles
@@ -14,7 +14,7 @@ on the checkpoint tile, the live ring d entries' low-rank part, the output, then
 (not full) or the flush (full), whose rank-n part is one fp32 FMA product
 [BV, LP] x [LP, K] (the rank-1 loop's terms, in the same order).
 
-Needs CUDA capability 9.x or 10.x (launch.tma_capable) and a checkpoint the copies can address
+Needs CUDA capability 9.x and Triton 3.6 (launch.tma_capable) and a checkpoint the copies can address
 (launch.tma_fits): K a power of two, V a multiple of BV, a 16-byte aligned base and slot stride;
 the checkpoint is addressed as a 3-D [slots, HV*V, K] tensor, so any page stride works.
 """

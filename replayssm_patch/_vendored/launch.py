@@ -7,7 +7,7 @@ A decode launch (`DecodeLaunch`) names one of four forms and its few settings:
                kernel per (row, value head, block) streams the checkpoint tile
     replay     two-phase whose prep also folds the live ring d entries into two vectors per
                value head, so the main kernel has native decode's shape
-    tma        two-phase prep, then a persistent main kernel (Gluon, Hopper / Blackwell) that
+    tma        two-phase prep, then a persistent main kernel (Gluon, Hopper, Triton 3.6) that
                keeps `stages` checkpoint tiles per program in flight as bulk tensor copies
 
 `pdl` (two_phase, tma) lets the main kernel start while the prep kernel runs (programmatic
@@ -121,9 +121,9 @@ def _tma(bv, w, stages, pdl=False):
 
 _INF = math.inf
 DECODE_TABLE = (
-    # Hopper / Blackwell: the persistent TMA form (its rows match only where it can run). From
-    # 512 pairs it beat every Triton form for an fp32 state (0.92-0.95 of the replay roofline at
-    # batch 512); for a 16-bit state from 512 pairs up to where the replay form wins.
+    # Hopper: the persistent TMA form (its rows match only where it can run). From 512 pairs
+    # it beat every Triton form for an fp32 state (0.94-0.98 of the replay roofline at batch
+    # 512); for a 16-bit state from 512 pairs up to where the replay form wins.
     TableRow("fp32", "any", 2048, _INF, _tma(32, 4, 2)),
     TableRow("fp32", "any", 512, 2048, _tma(32, 4, 1)),
     TableRow("16-bit", "any", 2048, 8192, _tma(32, 2, 2)),
@@ -203,18 +203,26 @@ def _kind(dtype: torch.dtype) -> str:
     return "16-bit" if dtype in _SIXTEEN_BIT else "fp32"
 
 
+# Triton releases the Gluon kernel is written and GPU-tested against: Gluon's API moves between
+# releases (3.9 removed `tma.async_copy_global_to_shared`), so other releases keep the Triton forms.
+GLUON_TRITON_RELEASES = ("3.6.",)
+
+
+def gluon_release_ok(version: str) -> bool:
+    return version.startswith(GLUON_TRITON_RELEASES)
+
+
 @functools.lru_cache(maxsize=None)
 def tma_capable(device: torch.device) -> bool:
-    """Whether the TMA form can run on `device`: a CUDA GPU of capability 9.x or 10.x (bulk
-    tensor copies) and a Triton with Gluon's Hopper modules."""
+    """Whether the TMA form can run on `device`: a Hopper GPU (capability 9.x: bulk tensor
+    copies; the only architecture it was measured on) and a Triton release whose Gluon it is
+    written for."""
     if (device.type != "cuda" or not torch.cuda.is_available()
-            or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
+            or torch.cuda.get_device_capability(device)[0] != 9):
         return False
-    try:
-        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import triton
+
+    return gluon_release_ok(triton.__version__)
 
 
 def tma_fits(state: torch.Tensor, K: int, V: int, block_v: int, slot_stride: int) -> bool:
