@@ -220,3 +220,19 @@ def test_tma_launch_refused_with_a_reason_where_it_cannot_run():
     with override_launch(decode=DecodeLaunch("tma", 16, 4, stages=2)):
         with pytest.raises(ValueError, match=r"tma_bv16_w4_s2: the TMA form needs a Hopper GPU \(CUDA capability 9.x\) and Triton 3.6.x"):
             ring_decode(*args)
+
+
+def test_tma_launch_refused_for_a_checkpoint_it_cannot_address(monkeypatch):
+    """Where the form runs, an override naming it for a checkpoint it cannot address (V not a
+    multiple of block_v) is refused with what it needs; nothing is launched."""
+    from replayssm_patch._vendored import decode, ring_decode
+
+    monkeypatch.setattr(decode, "tma_capable", lambda device: True)
+    H, HV, K, V, L, N = 1, 2, 16, 24, 4, 2
+    args = (torch.zeros(N, 2 * H * K + HV * V), torch.zeros(N, HV), torch.zeros(N, HV), torch.zeros(HV),
+            torch.zeros(HV), 1.0, torch.zeros(3, HV, V, K), torch.empty(N, HV, V),
+            torch.arange(1, N + 1, dtype=torch.int32), torch.zeros(3, HV, L, V), torch.zeros(3, H, L, K),
+            torch.zeros(3, HV, L), torch.zeros(3, dtype=torch.int32))
+    with override_launch(decode=DecodeLaunch("tma", 16, 4, stages=2)):
+        with pytest.raises(ValueError, match=r"tma_bv16_w4_s2: the TMA form needs .* V a multiple of block_v=16"):
+            ring_decode(*args)

@@ -40,11 +40,7 @@ from .ring_checks import check_device, check_packed_inputs, ring_geometry
 
 
 def _launch_tma(launch, args, geo) -> None:
-    if not tma_capable(args.state.device):  # before importing Gluon, which other builds may lack
-        raise ValueError(f"launch {launch.name}: the TMA form needs a Hopper GPU (CUDA capability 9.x) "
-                         f"and Triton {' or '.join(r + 'x' for r in GLUON_TRITON_RELEASES)} (its Gluon API; "
-                         f"state on {args.state.device})")
-    from .decode_tma import launch_tma
+    from .decode_tma import launch_tma  # Gluon: imported only where a tma launch runs
 
     launch_tma(launch, args, geo)
 
@@ -98,6 +94,20 @@ def _check_flush_tc(launch: DecodeLaunch, V: int, ring_d: torch.Tensor, L: int) 
             f"{ring_d.device})")
 
 
+def _check_tma(launch: DecodeLaunch, state: torch.Tensor, K: int, V: int, slot_stride: int) -> None:
+    """An overridden launch may name the TMA form where it cannot run: refuse it (before
+    Gluon is imported, which other Triton builds may lack)."""
+    if not tma_capable(state.device):
+        raise ValueError(f"launch {launch.name}: the TMA form needs a Hopper GPU (CUDA capability 9.x) "
+                         f"and Triton {' or '.join(r + 'x' for r in GLUON_TRITON_RELEASES)} (its Gluon API; "
+                         f"state on {state.device})")
+    if not tma_fits(state, K, V, launch.block_v, slot_stride):
+        raise ValueError(
+            f"launch {launch.name}: the TMA form needs K a power of two in [16, 256] (got {K}), V a "
+            f"multiple of block_v={launch.block_v} <= 256 (got {V}) and a 16-byte aligned state base and "
+            f"slot stride (got slot stride {slot_stride} x {state.element_size()} bytes)")
+
+
 def ring_decode(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -139,8 +149,11 @@ def ring_decode(
     if N == 0:
         return out3
     launch = decode_launch(N, HV, state.dtype, ring_d.dtype, L, dev)
-    if launch.form == "tma" and not tma_fits(state, K, V, launch.block_v, strides[0]):
-        launch = decode_launch(N, HV, state.dtype, ring_d.dtype, L, dev, tma=False)  # an override raises
+    if launch.form == "tma":
+        if not tma_fits(state, K, V, launch.block_v, strides[0]):
+            launch = decode_launch(N, HV, state.dtype, ring_d.dtype, L, dev, tma=False)  # an override stays
+        if launch.form == "tma":
+            _check_tma(launch, state, K, V, strides[0])
     _check_flush_tc(launch, V, ring_d, L)
     geo = Geometry(N, H, HV, K, V, L, next_pow2(K), max(16, next_pow2(L)), strides)
     args = Args(mixed_qkv, a, b, A_log, dt_bias, float(scale), state, out, state_indices,

@@ -32,7 +32,7 @@ from triton.runtime import driver
 
 from .decode_shared import use_pdl
 from .decode_two_phase import launch_prep
-from .launch import cdiv, num_sms, tma_fits
+from .launch import cdiv, num_sms
 
 
 @gluon.jit
@@ -188,12 +188,7 @@ def launch_tma(launch, args, geo) -> None:
     N, H, HV, K, V, L, LP = geo.N, geo.H, geo.HV, geo.K, geo.V, geo.L, geo.LP
     ss, sd, sk, _ = geo.strides
     BV = launch.block_v
-    state = args.state
-    if not tma_fits(state, K, V, BV, ss):
-        raise ValueError(
-            f"launch {launch.name}: the TMA form needs K a power of two in [16, 256] (got {K}), V a "
-            f"multiple of block_v={BV} <= 256 (got {V}) and a 16-byte aligned state base and slot "
-            f"stride (got slot stride {ss} x {state.element_size()} bytes)")
+    state = args.state  # decode.ring_decode checked that the form runs here and fits it
     pdl = use_pdl(launch, state)
     qk, coef, meta = launch_prep(args, geo, pdl)
     desc = TensorDescriptor(state, [state.shape[0], HV * V, K], [ss, K, 1], [1, BV, K], _smem_layout(state.dtype))
