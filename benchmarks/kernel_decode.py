@@ -73,7 +73,10 @@ SWEEP = [DecodeLaunch("fused", bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (1
     DecodeLaunch("fused", 16, flush_tc=True), DecodeLaunch("fused", 32, flush_tc=True),
     DecodeLaunch("two_phase", 16, pdl=True, flush_tc=True), DecodeLaunch("two_phase", 32, pdl=True, flush_tc=True)] + [
     DecodeLaunch("tma", bv, w, pdl=pdl, stages=s) for bv, w, s in (
-        (16, 4, 2), (32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 2, 2), (64, 8, 2)) for pdl in (False, True)]
+        (16, 4, 2), (32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 2, 2), (64, 8, 2)) for pdl in (False, True)] + [
+    DecodeLaunch("tma", 32, w, pdl=pdl, stages=s, max_regs=r) for w, s, pdl, r in (
+        (2, 2, False, 128), (2, 2, False, 168), (2, 3, False, 128), (4, 1, True, 96), (4, 1, False, 96),
+        (4, 2, False, 96), (4, 2, False, 80))]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 

@@ -47,12 +47,12 @@ EXPECTED = [
 # The same where the TMA form runs (an H200): its rows come first where they apply.
 EXPECTED_TMA = [
     (8, 32, F32, BF16, DecodeLaunch("fused", 32)),                       # 256 pairs: below its rows
-    (16, 32, F32, BF16, DecodeLaunch("tma", 32, 4, stages=1)),           # 512 pairs, fp32 state
+    (16, 32, F32, BF16, DecodeLaunch("tma", 32, 4, stages=1, max_regs=96)),  # 512 pairs, fp32 state
     (64, 32, F32, F32, DecodeLaunch("tma", 32, 4, stages=2)),            # 2048 pairs
     (512, 64, F32, BF16, DecodeLaunch("tma", 32, 4, stages=2)),          # fp32 state: up to any size
     (16, 32, BF16, BF16, DecodeLaunch("tma", 32, 4, pdl=True, stages=1)),  # 16-bit state
-    (64, 32, F16, F16, DecodeLaunch("tma", 32, 2, stages=2)),
-    (255, 32, BF16, BF16, DecodeLaunch("tma", 32, 2, stages=2)),
+    (64, 32, F16, F16, DecodeLaunch("tma", 32, 2, stages=2, max_regs=168)),
+    (255, 32, BF16, BF16, DecodeLaunch("tma", 32, 2, stages=2, max_regs=168)),
     (256, 32, BF16, BF16, DecodeLaunch("replay", 16)),                   # 8192 pairs: replay wins
     (4, 32, BF16, BF16, DecodeLaunch("fused", 32)),
 ]
@@ -130,6 +130,9 @@ def test_no_tensor_core_flush_with_bf16_ring_in_the_interpreter():
     (dict(form="tma", block_v=32, stages=9), "stages"),
     (dict(form="two_phase", block_v=32, stages=2), "stages"),
     (dict(form="replay", block_v=16, pdl=True), "pdl"),
+    (dict(form="tma", block_v=32, stages=2, max_regs=16), "max_regs"),
+    (dict(form="tma", block_v=32, stages=2, max_regs=256), "max_regs"),
+    (dict(form="two_phase", block_v=8, max_regs=128), "max_regs"),
 ])
 def test_decode_launch_rejects_what_no_form_has(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -142,6 +145,8 @@ def test_launch_names_round_trip():
     assert DecodeLaunch.from_name("two_phase_bv16_w2_pdl_tc") == DecodeLaunch("two_phase", 16, 2, True, True)
     tma = DecodeLaunch("tma", 32, 4, pdl=True, stages=3)
     assert tma.name == "tma_bv32_w4_pdl_s3" and DecodeLaunch.from_name(tma.name) == tma
+    capped = DecodeLaunch("tma", 32, 2, stages=2, max_regs=128)
+    assert capped.name == "tma_bv32_w2_s2_r128" and DecodeLaunch.from_name(capped.name) == capped
     with pytest.raises(ValueError, match="stages"):
         DecodeLaunch.from_name("fused_bv16_w1_s2")
     with pytest.raises(ValueError, match="form_bvN_wM"):

@@ -198,6 +198,6 @@ def launch_tma(launch, args, geo) -> None:
                    args.qkv.stride(0), args.idx.stride(0), ss, sd, sk, num_tiles)
     e = state.element_size()
     constexprs = dict(H=H, HV=HV, K=K, V=V, L=L, BV=BV, LP=LP, NV=NV, STAGES=launch.stages, VEC=16 // e,
-                      USE_PDL=pdl, num_warps=launch.num_warps)
+                      USE_PDL=pdl, num_warps=launch.num_warps, maxnreg=launch.max_regs or None)
     grid = min(num_tiles, num_sms(state.device) * _programs_per_sm(kernel_args, constexprs, state.device))
     _tma_main_kernel[(grid,)](*kernel_args, **constexprs, **({"launch_pdl": True} if pdl else {}))

@@ -13,7 +13,9 @@ A decode launch (`DecodeLaunch`) names one of four forms and its few settings:
 `pdl` (two_phase, tma) lets the main kernel start while the prep kernel runs (programmatic
 dependent launch, Hopper and newer); `flush_tc` (fused, two_phase) does a flushing row's
 rank-n update as one tensor-core product (needs a 16-bit ring, blocks of >= 16 rows and >= 16
-padded ring entries; bf16 only on a GPU, whose dots the interpreter gets wrong).
+padded ring entries; bf16 only on a GPU, whose dots the interpreter gets wrong); `max_regs`
+(tma) caps the main kernel's registers per thread (Triton's `maxnreg`), trading a few spills for
+more programs per SM.
 
 `DECODE_TABLE` is the table from the H200 sweeps of 2026-12-01 and 2026-12-02 (Triton 3.6, K =
 V = 128, L = 16, bf16 activations; docs/kernels.md has the measurements). Its rows are tried in
@@ -49,6 +51,7 @@ class DecodeLaunch:
     pdl: bool = False
     flush_tc: bool = False
     stages: int = 1  # tma only: checkpoint tiles in flight per program (1-8)
+    max_regs: int = 0  # tma only: registers per thread the compiler may use (0: its choice)
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -65,22 +68,26 @@ class DecodeLaunch:
             raise ValueError(f"DecodeLaunch.stages must be in [1, 8] for the tma form (got {self.stages})")
         if self.form != "tma" and self.stages != 1:
             raise ValueError(f"DecodeLaunch.stages applies to the tma form only (got form {self.form!r})")
+        if self.max_regs and (self.form != "tma" or not 32 <= self.max_regs <= 255):
+            raise ValueError(f"DecodeLaunch.max_regs must be 0 or in [32, 255], for the tma form only "
+                             f"(got {self.max_regs} for form {self.form!r})")
 
     @property
     def name(self) -> str:
         """Short label for benchmark tables and command lines, e.g. 'two_phase_bv16_w1_pdl_tc',
-        'tma_bv32_w4_s3'."""
+        'tma_bv32_w4_s3', 'tma_bv32_w2_s2_r128'."""
         return (f"{self.form}_bv{self.block_v}_w{self.num_warps}" + ("_pdl" if self.pdl else "")
-                + ("_tc" if self.flush_tc else "") + (f"_s{self.stages}" if self.form == "tma" else ""))
+                + ("_tc" if self.flush_tc else "") + (f"_s{self.stages}" if self.form == "tma" else "")
+                + (f"_r{self.max_regs}" if self.max_regs else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeLaunch":
         """The launch a `name` labels (benchmarks take launches on the command line this way)."""
-        m = re.fullmatch(r"(fused|two_phase|replay|tma)_bv(\d+)_w(\d+)(_pdl)?(_tc)?(?:_s(\d+))?", name)
+        m = re.fullmatch(r"(fused|two_phase|replay|tma)_bv(\d+)_w(\d+)(_pdl)?(_tc)?(?:_s(\d+))?(?:_r(\d+))?", name)
         if m is None:
-            raise ValueError(f"not a launch name: {name!r} (form_bvN_wM[_pdl][_tc][_sS], form one of {FORMS})")
+            raise ValueError(f"not a launch name: {name!r} (form_bvN_wM[_pdl][_tc][_sS][_rR], form one of {FORMS})")
         return cls(m[1], int(m[2]), int(m[3]), pdl=bool(m[4]), flush_tc=bool(m[5]),
-                   stages=int(m[6]) if m[6] else 1)
+                   stages=int(m[6]) if m[6] else 1, max_regs=int(m[7]) if m[7] else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,18 +122,20 @@ def _two_phase(bv, pdl=False, tc=False):
     return DecodeLaunch("two_phase", bv, pdl=pdl, flush_tc=tc)
 
 
-def _tma(bv, w, stages, pdl=False):
-    return DecodeLaunch("tma", bv, w, pdl=pdl, stages=stages)
+def _tma(bv, w, stages, pdl=False, regs=0):
+    return DecodeLaunch("tma", bv, w, pdl=pdl, stages=stages, max_regs=regs)
 
 
 _INF = math.inf
 DECODE_TABLE = (
     # Hopper: the persistent TMA form (its rows match only where it can run). From 512 pairs
     # it beat every Triton form for an fp32 state (0.94-0.98 of the replay roofline at batch
-    # 512); for a 16-bit state from 512 pairs up to where the replay form wins.
+    # 512); for a 16-bit state from 512 pairs up to where the replay form wins. The register
+    # caps (r96, r168) let an SM hold 5 / 6 programs instead of 4: 1.00-1.09x the same launch
+    # uncapped in the table run of 2026-12-02 04:00.
     TableRow("fp32", "any", 2048, _INF, _tma(32, 4, 2)),
-    TableRow("fp32", "any", 512, 2048, _tma(32, 4, 1)),
-    TableRow("16-bit", "any", 2048, 8192, _tma(32, 2, 2)),
+    TableRow("fp32", "any", 512, 2048, _tma(32, 4, 1, regs=96)),
+    TableRow("16-bit", "any", 2048, 8192, _tma(32, 2, 2, regs=168)),
     TableRow("16-bit", "any", 512, 2048, _tma(32, 4, 1, pdl=True)),
     # Large launches: the replay-vector form's main kernel runs at 62-82% of DRAM bandwidth
     # where two_phase's runs at 54-77%, which pays for its slower prep only at large batch;
