@@ -70,11 +70,12 @@ def install_compile_only_driver(arch: int):
 def let_tma_compile(arch: int) -> None:
     """The TMA form asks the GPU for its capability, occupancy and PDL; compile-only, answer
     for `arch` (the grid size does not change the code)."""
-    from replayssm_patch._vendored import decode, decode_tma
+    from replayssm_patch._vendored import decode, decode_tma, decode_tma_tc
 
     decode.tma_capable = lambda device: arch // 10 == 9
-    decode_tma._programs_per_sm = lambda kernel_args, constexprs, device: 1
-    decode_tma.use_pdl = lambda launch, state: launch.pdl and arch >= 90
+    decode_tma.programs_per_sm = lambda kernel, kernel_args, constexprs, device: 1
+    decode_tma_tc.programs_per_sm = decode_tma.programs_per_sm
+    decode_tma.use_pdl = decode_tma_tc.use_pdl = lambda launch, state: launch.pdl and arch >= 90
 
 
 def cubin_report(kernel, tools: str) -> dict:

@@ -76,7 +76,13 @@ SWEEP = [DecodeLaunch("fused", bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (1
         (16, 4, 2), (32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 2, 2), (64, 8, 2)) for pdl in (False, True)] + [
     DecodeLaunch("tma", 32, w, pdl=pdl, stages=s, max_regs=r) for w, s, pdl, r in (
         (2, 2, False, 128), (2, 2, False, 168), (2, 3, False, 128), (4, 1, True, 96), (4, 1, False, 96),
-        (4, 2, False, 96), (4, 2, False, 80))]
+        (4, 2, False, 96), (4, 2, False, 80))] + [
+    DecodeLaunch("tma", bv, w, pdl=pdl, stages=s, matvec_tc=True) for bv, w, s, pdl in (
+        (16, 1, 4, False), (32, 1, 3, False), (32, 1, 4, False), (32, 1, 3, True), (32, 2, 2, False),
+        (32, 2, 3, False), (32, 2, 4, False), (32, 2, 2, True), (64, 1, 2, False), (64, 1, 3, False),
+        (64, 1, 3, True), (64, 2, 3, False), (64, 2, 4, False), (64, 2, 3, True), (64, 4, 2, False),
+        (64, 4, 3, False), (128, 2, 2, False), (128, 4, 2, False))] + [
+    DecodeLaunch("tma", 64, 2, stages=3, max_regs=128, matvec_tc=True)]
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -310,14 +316,15 @@ def copy_bandwidth():
     return 2 * n * 4 / t  # bytes read + written per second
 
 
-def swept(args):
-    """The SWEEP launches this run times (none with --no-sweep; tensor-core flushes only with a
-    16-bit ring)."""
+def swept(args, state_dtype):
+    """The SWEEP launches this run times for a state dtype (none with --no-sweep; tensor-core
+    flushes only with a 16-bit ring, tensor-core mat-vecs only with a 16-bit state)."""
     if not args.sweep:
         return []
     tma = tma_capable(torch.device("cuda", torch.cuda.current_device()))
     return [c for c in SWEEP if (args.sweep_only is None or c.name in args.sweep_only)
-            and not (c.flush_tc and RING_DTYPE == torch.float32) and (tma or c.form != "tma")]
+            and not (c.flush_tc and RING_DTYPE == torch.float32) and (tma or c.form != "tma")
+            and not (c.matvec_tc and state_dtype == torch.float32)]
 
 
 def run(args):
@@ -336,7 +343,7 @@ def run(args):
             jobs.append(("native", H, HV, sdt_name, None, args.vllm_root))
             if args.baseline:
                 jobs.append(("baseline", H, HV, sdt_name, tuple(batches), args.baseline))
-            launches = set(swept(args))
+            launches = set(swept(args, STATE_DTYPES[sdt_name]))
             launches |= {pick_decode_launch(b, HV, STATE_DTYPES[sdt_name], RING_DTYPE, L, dev) for b in batches}
             for c in sorted(launches, key=lambda c: c.name):
                 jobs.append(("ours", H, HV, sdt_name, c, None))
@@ -380,7 +387,7 @@ def run(args):
                 arms = list(graphs)
                 for ly in layers:
                     assert torch.equal(ly.cursor, ly.cursor0), "a cycle must return the cursors"
-                sweep_cfgs = [c for c in swept(args) if c != heur]
+                sweep_cfgs = [c for c in swept(args, sdt) if c != heur]
                 for c in sweep_cfgs:
                     graphs[c.name] = capture(lambda ly, c=c: ly.ours(c), layers)
                 main = time_graphs({k: graphs[k] for k in arms}, args.reps)

@@ -133,6 +133,8 @@ def test_no_tensor_core_flush_with_bf16_ring_in_the_interpreter():
     (dict(form="tma", block_v=32, stages=2, max_regs=16), "max_regs"),
     (dict(form="tma", block_v=32, stages=2, max_regs=256), "max_regs"),
     (dict(form="two_phase", block_v=8, max_regs=128), "max_regs"),
+    (dict(form="two_phase", block_v=32, matvec_tc=True), "matvec_tc"),
+    (dict(form="tma", block_v=32, num_warps=4, stages=2, matvec_tc=True), "16 value rows per warp"),
 ])
 def test_decode_launch_rejects_what_no_form_has(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -147,6 +149,8 @@ def test_launch_names_round_trip():
     assert tma.name == "tma_bv32_w4_pdl_s3" and DecodeLaunch.from_name(tma.name) == tma
     capped = DecodeLaunch("tma", 32, 2, stages=2, max_regs=128)
     assert capped.name == "tma_bv32_w2_s2_r128" and DecodeLaunch.from_name(capped.name) == capped
+    mv = DecodeLaunch("tma", 64, 4, pdl=True, stages=3, max_regs=96, matvec_tc=True)
+    assert mv.name == "tma_bv64_w4_pdl_s3_r96_mv" and DecodeLaunch.from_name(mv.name) == mv
     with pytest.raises(ValueError, match="stages"):
         DecodeLaunch.from_name("fused_bv16_w1_s2")
     with pytest.raises(ValueError, match="form_bvN_wM"):
@@ -240,4 +244,21 @@ def test_tma_launch_refused_for_a_checkpoint_it_cannot_address(monkeypatch):
             torch.zeros(3, HV, L), torch.zeros(3, dtype=torch.int32))
     with override_launch(decode=DecodeLaunch("tma", 16, 4, stages=2)):
         with pytest.raises(ValueError, match=r"tma_bv16_w4_s2: the TMA form needs .* V a multiple of block_v=16"):
+            ring_decode(*args)
+
+
+def test_tensor_core_matvec_launch_refused_for_an_fp32_state(monkeypatch):
+    """The tensor-core mat-vecs take the checkpoint as 16-bit MMA operands: an override naming
+    them for an fp32 state is refused with the launch's name and what it needs."""
+    from replayssm_patch._vendored import decode, ring_decode
+
+    monkeypatch.setattr(decode, "tma_capable", lambda device: True)
+    H, HV, K, L, N = 1, 2, 16, 4, 2
+    args = (torch.zeros(N, 2 * H * K + HV * K), torch.zeros(N, HV), torch.zeros(N, HV), torch.zeros(HV),
+            torch.zeros(HV), 1.0, torch.zeros(3, HV, K, K), torch.empty(N, HV, K),
+            torch.arange(1, N + 1, dtype=torch.int32), torch.zeros(3, HV, L, K), torch.zeros(3, H, L, K),
+            torch.zeros(3, HV, L), torch.zeros(3, dtype=torch.int32))
+    with override_launch(decode=DecodeLaunch("tma", 16, 1, stages=2, matvec_tc=True)):
+        with pytest.raises(ValueError, match=r"tma_bv16_w1_s2_mv: the tensor-core mat-vecs \(_mv\) need a float16 "
+                                             r"or bfloat16 state \(got torch.float32\)"):
             ring_decode(*args)

@@ -40,9 +40,14 @@ from .ring_checks import check_device, check_packed_inputs, ring_geometry
 
 
 def _launch_tma(launch, args, geo) -> None:
-    from .decode_tma import launch_tma  # Gluon: imported only where a tma launch runs
+    if launch.matvec_tc:
+        from .decode_tma_tc import launch_tma_tc  # Gluon: imported only where a tma launch runs
 
-    launch_tma(launch, args, geo)
+        launch_tma_tc(launch, args, geo)
+    else:
+        from .decode_tma import launch_tma
+
+        launch_tma(launch, args, geo)
 
 
 _FORMS = {"fused": launch_fused, "two_phase": launch_two_phase, "replay": launch_replay, "tma": _launch_tma}
@@ -106,6 +111,9 @@ def _check_tma(launch: DecodeLaunch, state: torch.Tensor, K: int, V: int, slot_s
             f"launch {launch.name}: the TMA form needs K a power of two in [16, 256] (got {K}), V a "
             f"multiple of block_v={launch.block_v} <= 256 (got {V}) and a 16-byte aligned state base and "
             f"slot stride (got slot stride {slot_stride} x {state.element_size()} bytes)")
+    if launch.matvec_tc and state.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"launch {launch.name}: the tensor-core mat-vecs (_mv) need a float16 or bfloat16 "
+                         f"state (got {state.dtype})")
 
 
 def ring_decode(

@@ -165,13 +165,13 @@ def _smem_layout(dtype: torch.dtype):
 _PROGRAMS_PER_SM: dict = {}  # kernel specialisation -> programs that fit on one SM at once
 
 
-def _programs_per_sm(kernel_args, constexprs: dict, device: torch.device) -> int:
-    """How many programs of this specialisation one SM holds at once (registers, shared memory,
-    threads), from the compiled kernel: a persistent grid larger than that runs in waves."""
-    key = (device, tuple(getattr(a, "dtype", None) for a in kernel_args[:11]), tuple(constexprs.items()))
+def programs_per_sm(kernel, kernel_args, constexprs: dict, device: torch.device) -> int:
+    """How many programs of this specialisation of a persistent `kernel` one SM holds at once
+    (registers, shared memory, threads), from the compiled kernel: a larger grid runs in waves."""
+    key = (kernel, device, tuple(getattr(a, "dtype", None) for a in kernel_args[:12]), tuple(constexprs.items()))
     per_sm = _PROGRAMS_PER_SM.get(key)
     if per_sm is None:
-        k = _tma_main_kernel.warmup(*kernel_args, grid=(1,), **constexprs)
+        k = kernel.warmup(*kernel_args, grid=(1,), **constexprs)
         k._init_handles()  # loads the binary, which reports its register count (Triton 3.6's API)
         warps = constexprs["num_warps"]
         regs = cdiv(k.n_regs * 32, 256) * 256 * warps  # allocated per warp in units of 256
@@ -199,5 +199,6 @@ def launch_tma(launch, args, geo) -> None:
     e = state.element_size()
     constexprs = dict(H=H, HV=HV, K=K, V=V, L=L, BV=BV, LP=LP, NV=NV, STAGES=launch.stages, VEC=16 // e,
                       USE_PDL=pdl, num_warps=launch.num_warps, maxnreg=launch.max_regs or None)
-    grid = min(num_tiles, num_sms(state.device) * _programs_per_sm(kernel_args, constexprs, state.device))
+    grid = min(num_tiles, num_sms(state.device) * programs_per_sm(_tma_main_kernel, kernel_args, constexprs,
+                                                                  state.device))
     _tma_main_kernel[(grid,)](*kernel_args, **constexprs, **({"launch_pdl": True} if pdl else {}))

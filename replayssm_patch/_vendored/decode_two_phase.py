@@ -28,15 +28,29 @@ from .launch import cdiv, next_pow2
 
 
 @triton.jit
+def _store_split3(x, p):
+    """x (fp32 [BK]) as three numbers of p's dtype whose sum is x to that dtype's precision
+    (each the rounding of what the earlier ones leave), at rows p, p + BK, p + 2 BK."""
+    BK: tl.constexpr = x.shape[0]
+    x0 = x.to(p.dtype.element_ty)
+    r = x - x0.to(tl.float32)
+    x1 = r.to(p.dtype.element_ty)
+    tl.store(p, x0)
+    tl.store(p + BK, x1)
+    tl.store(p + 2 * BK, (r - x1.to(tl.float32)).to(p.dtype.element_ty))
+
+
+@triton.jit
 def _ring_prep_kernel(
     qkv, a, b, A_log, dt_bias, idx, ring_k, ring_g, cursor, force_flush, start_empty,
-    qk, coef, meta,
+    qk, coef, meta, parts,
     scale,
     stride_qkv, stride_a, stride_b, stride_idx, stride_ff, stride_se,
     slot_stride_k, slot_stride_g,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
     BK: tl.constexpr, LP: tl.constexpr, GP: tl.constexpr,
     HAS_FF: tl.constexpr, HAS_SE: tl.constexpr, L2NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_h = pid % H
@@ -80,6 +94,12 @@ def _ring_prep_kernel(
     p_qk = qk + (row * H + i_h) * (2 * BK) + o_k
     tl.store(p_qk, q)
     tl.store(p_qk + BK, k)
+    if PARTS:  # q and k as three numbers each of the parts' dtype (decode_tma_tc), then 2 zero rows
+        p_p = parts + (row * H + i_h) * (8 * BK) + o_k
+        _store_split3(q, p_p)
+        _store_split3(k, p_p + 3 * BK)
+        tl.store(p_p + 6 * BK, tl.zeros_like(q).to(parts.dtype.element_ty))
+        tl.store(p_p + 7 * BK, tl.zeros_like(q).to(parts.dtype.element_ty))
 
     kq = tl.where(live, tl.sum(rk * q[None, :], 1), 0.0)  # [LP]: k_j . q (entries >= n unread)
     kk = tl.where(live, tl.sum(rk * k[None, :], 1), 0.0)
@@ -203,8 +223,9 @@ def _ring_main_kernel(
         tl.store(cursor + slot, tl.where(flush, 0, n + 1))
 
 
-def launch_prep(args, geo, pdl: bool):
-    """Run the prep kernel; return its scratch (qk, coef, meta) for a main kernel."""
+def launch_prep(args, geo, pdl: bool, parts: torch.Tensor | None = None):
+    """Run the prep kernel; return its scratch (qk, coef, meta) for a main kernel. `parts`
+    ([N * H, 8, BK], a 16-bit dtype): also write q / k split into that dtype (decode_tma_tc)."""
     N, H, HV, K, L, BK, LP = geo.N, geo.H, geo.HV, geo.K, geo.L, geo.BK, geo.LP
     _, _, sk, sg = geo.strides
     dev = args.state.device
@@ -213,11 +234,11 @@ def launch_prep(args, geo, pdl: bool):
     meta = torch.empty(N, dtype=torch.int32, device=dev)
     _ring_prep_kernel[(N * H,)](
         args.qkv, args.a, args.b, args.A_log, args.dt_bias, args.idx, args.ring_k, args.ring_g, args.cursor,
-        args.ff.ptr, args.se.ptr, qk, coef, meta, args.scale,
+        args.ff.ptr, args.se.ptr, qk, coef, meta, qk if parts is None else parts, args.scale,
         args.qkv.stride(0), args.a.stride(0), args.b.stride(0), args.idx.stride(0), args.ff.stride, args.se.stride,
         sk, sg,
         H=H, HV=HV, K=K, L=L, BK=BK, LP=LP, GP=next_pow2(HV // H),
-        HAS_FF=args.ff.given, HAS_SE=args.se.given, L2NORM=args.l2norm, USE_PDL=pdl,
+        HAS_FF=args.ff.given, HAS_SE=args.se.given, L2NORM=args.l2norm, USE_PDL=pdl, PARTS=parts is not None,
         num_warps=2 if BK * LP <= 2048 else 4, num_stages=1,
     )
     return qk, coef, meta

@@ -52,6 +52,7 @@ class DecodeLaunch:
     flush_tc: bool = False
     stages: int = 1  # tma only: checkpoint tiles in flight per program (1-8)
     max_regs: int = 0  # tma only: registers per thread the compiler may use (0: its choice)
+    matvec_tc: bool = False  # tma only, 16-bit state: the two mat-vecs on tensor cores (decode_tma_tc)
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -68,6 +69,11 @@ class DecodeLaunch:
             raise ValueError(f"DecodeLaunch.stages must be in [1, 8] for the tma form (got {self.stages})")
         if self.form != "tma" and self.stages != 1:
             raise ValueError(f"DecodeLaunch.stages applies to the tma form only (got form {self.form!r})")
+        if self.matvec_tc and self.form != "tma":
+            raise ValueError(f"DecodeLaunch.matvec_tc applies to the tma form only (got form {self.form!r})")
+        if self.matvec_tc and self.block_v < 16 * self.num_warps:
+            raise ValueError(f"DecodeLaunch.matvec_tc needs block_v >= 16 x num_warps (16 value rows per warp; "
+                             f"got block_v={self.block_v}, num_warps={self.num_warps})")
         if self.max_regs and (self.form != "tma" or not 32 <= self.max_regs <= 255):
             raise ValueError(f"DecodeLaunch.max_regs must be 0 or in [32, 255], for the tma form only "
                              f"(got {self.max_regs} for form {self.form!r})")
@@ -75,19 +81,21 @@ class DecodeLaunch:
     @property
     def name(self) -> str:
         """Short label for benchmark tables and command lines, e.g. 'two_phase_bv16_w1_pdl_tc',
-        'tma_bv32_w4_s3', 'tma_bv32_w2_s2_r128'."""
+        'tma_bv32_w4_s3', 'tma_bv32_w2_s2_r128', 'tma_bv32_w2_s3_mv'."""
         return (f"{self.form}_bv{self.block_v}_w{self.num_warps}" + ("_pdl" if self.pdl else "")
                 + ("_tc" if self.flush_tc else "") + (f"_s{self.stages}" if self.form == "tma" else "")
-                + (f"_r{self.max_regs}" if self.max_regs else ""))
+                + (f"_r{self.max_regs}" if self.max_regs else "") + ("_mv" if self.matvec_tc else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeLaunch":
         """The launch a `name` labels (benchmarks take launches on the command line this way)."""
-        m = re.fullmatch(r"(fused|two_phase|replay|tma)_bv(\d+)_w(\d+)(_pdl)?(_tc)?(?:_s(\d+))?(?:_r(\d+))?", name)
+        m = re.fullmatch(r"(fused|two_phase|replay|tma)_bv(\d+)_w(\d+)(_pdl)?(_tc)?(?:_s(\d+))?(?:_r(\d+))?(_mv)?",
+                         name)
         if m is None:
-            raise ValueError(f"not a launch name: {name!r} (form_bvN_wM[_pdl][_tc][_sS][_rR], form one of {FORMS})")
+            raise ValueError(f"not a launch name: {name!r} (form_bvN_wM[_pdl][_tc][_sS][_rR][_mv], form one of "
+                             f"{FORMS})")
         return cls(m[1], int(m[2]), int(m[3]), pdl=bool(m[4]), flush_tc=bool(m[5]),
-                   stages=int(m[6]) if m[6] else 1, max_regs=int(m[7]) if m[7] else 0)
+                   stages=int(m[6]) if m[6] else 1, max_regs=int(m[7]) if m[7] else 0, matvec_tc=bool(m[8]))
 
 
 @dataclasses.dataclass(frozen=True)

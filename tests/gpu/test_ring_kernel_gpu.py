@@ -54,6 +54,7 @@ BOUNDS = {
     (F32, F16): 2e-3,
     (F16, F16): 2e-3,
     (BF16, BF16): 1e-2,
+    (BF16, F32): 1e-2,
 }
 MEASURED: dict[str, dict] = {}  # filled as tests run; printed by the last test
 
@@ -242,6 +243,17 @@ CASES = [
     ("gqa2_bf16_tma_bv32_w2_s2_r128", 2, 4, 128, 128, 16, BF16, BF16, D("tma", 32, 2, stages=2, max_regs=128)),
     ("gqa4_fp32_bf16ring_tma_bv32_w4_s2_r96_L24", 2, 8, 128, 128, 24, F32, BF16,
      D("tma", 32, 4, stages=2, max_regs=96)),
+    # the tensor-core mat-vecs (16-bit states; tensor-core flush with a 16-bit ring, rank-1 with fp32)
+    ("gqa2_bf16_tma_bv32_w2_s2_mv", 2, 4, 128, 128, 16, BF16, BF16, D("tma", 32, 2, stages=2, matvec_tc=True)),
+    ("gqa4_fp16_tma_bv64_w4_s3_mv", 2, 8, 128, 128, 16, F16, F16, D("tma", 64, 4, stages=3, matvec_tc=True)),
+    ("gqa4_bf16_fp32ring_tma_bv32_w2_s2_mv_L24", 2, 8, 128, 128, 24, BF16, F32,
+     D("tma", 32, 2, stages=2, matvec_tc=True)),
+    ("k64_gqa3_bf16_tma_pdl_bv16_w1_s4_mv_L12", 2, 6, 64, 64, 12, BF16, BF16,
+     D("tma", 16, 1, pdl=True, stages=4, matvec_tc=True)),
+    ("gqa1_fp16_tma_pdl_bv128_w8_s1_mv_L32", 2, 2, 128, 128, 32, F16, F16,
+     D("tma", 128, 8, pdl=True, stages=1, matvec_tc=True)),
+    ("gqa2_bf16_tma_bv32_w2_s2_r96_mv", 2, 4, 128, 128, 16, BF16, BF16,
+     D("tma", 32, 2, stages=2, max_regs=96, matvec_tc=True)),
 ]
 
 TWO_PHASE_PDL = D("two_phase", 8, pdl=True)
@@ -249,6 +261,7 @@ REPLAY = D("replay", 16)
 TC_FLUSH = D("fused", 16, flush_tc=True)
 TWO_PHASE_TC_FLUSH = D("two_phase", 16, pdl=True, flush_tc=True)
 TMA = D("tma", 32, 4, pdl=True, stages=2)
+TMA_MV = D("tma", 32, 2, pdl=True, stages=2, matvec_tc=True)
 
 
 def decode(launch, *args, **kwargs):
@@ -273,8 +286,8 @@ def test_bf16_output_and_contiguous_state():
     assert out_rel < 1e-2 and state_rel < 1e-2
 
 
-@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TC_FLUSH, TWO_PHASE_TC_FLUSH, TMA],
-                         ids=["table", "2phase_pdl", "replay", "tcflush", "2phase_tcflush", "tma"])
+@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TC_FLUSH, TWO_PHASE_TC_FLUSH, TMA, TMA_MV],
+                         ids=["table", "2phase_pdl", "replay", "tcflush", "2phase_tcflush", "tma", "tma_mv"])
 @pytest.mark.parametrize("sdt,rdt,bound", [(F32, F32, 1e-5), (BF16, BF16, 2e-2)], ids=["fp32", "bf16"])
 def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, launch):
     """force_flush / start_empty at random, 200 rows (the bandwidth-bound launch config), same
@@ -286,6 +299,8 @@ def test_flags_and_large_batch_vs_ring_reference(sdt, rdt, bound, launch):
         if rdt == F32:
             pytest.skip("the tensor-core flush needs a 16-bit ring")
         L = 16  # and >= 16 padded ring entries
+    if launch is TMA_MV and sdt == F32:
+        pytest.skip("the tensor-core mat-vecs need a 16-bit state")
     p = Problem(H, HV, K, V, L, sdt, rdt, seed=11, n_real=200)
     ref_state = p.state.clone()
     ref_rings = [t.clone() for t in p.rings()]
@@ -356,13 +371,14 @@ def test_materialize_drops_rows_flagged_start_empty():
             assert _rel(p.state[slot], ref[0][slot]) < 1e-6 and not torch.equal(p.state[slot], before[slot])
 
 
-@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TWO_PHASE_TC_FLUSH, TMA],
-                         ids=["table", "2phase_pdl", "replay", "2phase_tcflush", "tma"])
+@pytest.mark.parametrize("launch", [None, TWO_PHASE_PDL, REPLAY, TWO_PHASE_TC_FLUSH, TMA, TMA_MV],
+                         ids=["table", "2phase_pdl", "replay", "2phase_tcflush", "tma", "tma_mv"])
 def test_cuda_graph_full_cycle_matches_eager(launch):
     """A graph captured over one full ring cycle (L steps, per-step static inputs refilled
-    before each replay) gives bit-identical results to eager calls on a copy."""
+    before each replay) gives bit-identical results to eager calls on a copy (a bf16 state for
+    the tensor-core mat-vecs, which need one; fp32 otherwise)."""
     H, HV, K, V, L = 2, 8, 128, 128, 16
-    p = Problem(H, HV, K, V, L, F32, BF16, seed=5)
+    p = Problem(H, HV, K, V, L, BF16 if launch is TMA_MV else F32, BF16, seed=5)
     # Stagger the cursors first (eager), so every cycle step flushes some rows.
     for step in range(L - 1):
         idx = p.idx_full.clone()
