@@ -51,9 +51,12 @@ EXPECTED_TMA = [
     (64, 32, F32, F32, DecodeLaunch("tma", 32, 4, stages=2)),            # 2048 pairs
     (512, 64, F32, BF16, DecodeLaunch("tma", 32, 4, stages=2)),          # fp32 state: up to any size
     (16, 32, BF16, BF16, DecodeLaunch("tma", 32, 4, pdl=True, stages=1)),  # 16-bit state
-    (64, 32, F16, F16, DecodeLaunch("tma", 32, 2, stages=2, max_regs=168)),
-    (255, 32, BF16, BF16, DecodeLaunch("tma", 32, 2, stages=2, max_regs=168)),
-    (256, 32, BF16, BF16, DecodeLaunch("replay", 16)),                   # 8192 pairs: replay wins
+    (64, 32, F16, F16, DecodeLaunch("tma", 32, 1, stages=3, matvec_tc=True)),  # 2048 pairs: tensor-core mat-vecs
+    (255, 32, BF16, BF16, DecodeLaunch("tma", 64, 1, stages=2, matvec_tc=True)),
+    (256, 32, BF16, BF16, DecodeLaunch("tma", 64, 1, stages=2, matvec_tc=True)),
+    (512, 64, BF16, BF16, DecodeLaunch("tma", 128, 4, stages=2, matvec_tc=True)),
+    (64, 32, BF16, F32, DecodeLaunch("tma", 32, 2, stages=2, max_regs=168)),  # fp32 ring: the FMA mat-vecs
+    (256, 32, BF16, F32, DecodeLaunch("replay", 16)),                    # 8192 pairs: replay wins
     (4, 32, BF16, BF16, DecodeLaunch("fused", 32)),
 ]
 

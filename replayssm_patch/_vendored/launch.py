@@ -130,19 +130,24 @@ def _two_phase(bv, pdl=False, tc=False):
     return DecodeLaunch("two_phase", bv, pdl=pdl, flush_tc=tc)
 
 
-def _tma(bv, w, stages, pdl=False, regs=0):
-    return DecodeLaunch("tma", bv, w, pdl=pdl, stages=stages, max_regs=regs)
+def _tma(bv, w, stages, pdl=False, regs=0, mv=False):
+    return DecodeLaunch("tma", bv, w, pdl=pdl, stages=stages, max_regs=regs, matvec_tc=mv)
 
 
 _INF = math.inf
 DECODE_TABLE = (
     # Hopper: the persistent TMA form (its rows match only where it can run). From 512 pairs
     # it beat every Triton form for an fp32 state (0.94-0.98 of the replay roofline at batch
-    # 512); for a 16-bit state from 512 pairs up to where the replay form wins. The register
-    # caps (r96, r168) let an SM hold 5 / 6 programs instead of 4: 1.00-1.09x the same launch
-    # uncapped in the table run of 2026-12-02 04:00.
+    # 512). The register cap (r96) lets an SM hold 5 programs instead of 4: 1.00-1.09x the same
+    # launch uncapped in the table run of 2026-12-02 04:00.
     TableRow("fp32", "any", 2048, _INF, _tma(32, 4, 2)),
     TableRow("fp32", "any", 512, 2048, _tma(32, 4, 1, regs=96)),
+    # A 16-bit state with a 16-bit ring: from 2048 pairs the tensor-core mat-vecs (_mv) beat
+    # every other form, 1.00-1.30x the best of them in the sweep of 2026-12-02 18:00 (more value
+    # rows per warp win as the launch grows).
+    TableRow("16-bit", "16-bit", 16384, _INF, _tma(128, 4, 2, mv=True)),
+    TableRow("16-bit", "16-bit", 4096, 16384, _tma(64, 1, 2, mv=True)),
+    TableRow("16-bit", "16-bit", 2048, 4096, _tma(32, 1, 3, mv=True)),
     TableRow("16-bit", "any", 2048, 8192, _tma(32, 2, 2, regs=168)),
     TableRow("16-bit", "any", 512, 2048, _tma(32, 4, 1, pdl=True)),
     # Large launches: the replay-vector form's main kernel runs at 62-82% of DRAM bandwidth
