@@ -250,18 +250,20 @@ def test_tma_launch_refused_for_a_checkpoint_it_cannot_address(monkeypatch):
             ring_decode(*args)
 
 
-def test_tensor_core_matvec_launch_refused_for_an_fp32_state(monkeypatch):
-    """The tensor-core mat-vecs take the checkpoint as 16-bit MMA operands: an override naming
-    them for an fp32 state is refused with the launch's name and what it needs."""
+@pytest.mark.parametrize("state_dtype", [F32, BF16])
+def test_tensor_core_matvec_launch_refused_for_an_fp32_state_or_small_k(monkeypatch, state_dtype):
+    """The tensor-core mat-vecs take the checkpoint as 16-bit MMA operands, two MMA steps of 16
+    keys at least: an override naming them for an fp32 state or K = 16 is refused with the
+    launch's name and what it needs."""
     from replayssm_patch._vendored import decode, ring_decode
 
     monkeypatch.setattr(decode, "tma_capable", lambda device: True)
     H, HV, K, L, N = 1, 2, 16, 4, 2
     args = (torch.zeros(N, 2 * H * K + HV * K), torch.zeros(N, HV), torch.zeros(N, HV), torch.zeros(HV),
-            torch.zeros(HV), 1.0, torch.zeros(3, HV, K, K), torch.empty(N, HV, K),
+            torch.zeros(HV), 1.0, torch.zeros(3, HV, K, K, dtype=state_dtype), torch.empty(N, HV, K),
             torch.arange(1, N + 1, dtype=torch.int32), torch.zeros(3, HV, L, K), torch.zeros(3, H, L, K),
             torch.zeros(3, HV, L), torch.zeros(3, dtype=torch.int32))
     with override_launch(decode=DecodeLaunch("tma", 16, 1, stages=2, matvec_tc=True)):
         with pytest.raises(ValueError, match=r"tma_bv16_w1_s2_mv: the tensor-core mat-vecs \(_mv\) need a float16 "
-                                             r"or bfloat16 state \(got torch.float32\)"):
+                                             rf"or bfloat16 state and K >= 32 \(got {state_dtype}, K=16\)"):
             ring_decode(*args)

@@ -111,9 +111,9 @@ def _check_tma(launch: DecodeLaunch, state: torch.Tensor, K: int, V: int, slot_s
             f"launch {launch.name}: the TMA form needs K a power of two in [16, 256] (got {K}), V a "
             f"multiple of block_v={launch.block_v} <= 256 (got {V}) and a 16-byte aligned state base and "
             f"slot stride (got slot stride {slot_stride} x {state.element_size()} bytes)")
-    if launch.matvec_tc and state.dtype not in (torch.float16, torch.bfloat16):
+    if launch.matvec_tc and (state.dtype not in (torch.float16, torch.bfloat16) or K < 32):
         raise ValueError(f"launch {launch.name}: the tensor-core mat-vecs (_mv) need a float16 or bfloat16 "
-                         f"state (got {state.dtype})")
+                         f"state and K >= 32 (got {state.dtype}, K={K})")
 
 
 def ring_decode(
@@ -158,7 +158,7 @@ def ring_decode(
         return out3
     launch = decode_launch(N, HV, state.dtype, ring_d.dtype, L, dev)
     if launch.form == "tma":
-        if not tma_fits(state, K, V, launch.block_v, strides[0]):
+        if not tma_fits(state, K, V, launch.block_v, strides[0]) or (launch.matvec_tc and K < 32):
             launch = decode_launch(N, HV, state.dtype, ring_d.dtype, L, dev, tma=False)  # an override stays
         if launch.form == "tma":
             _check_tma(launch, state, K, V, strides[0])

@@ -19,8 +19,9 @@ w_j d_j, decode_shared.rank_update_tc), as rank-1 fp32 updates with an fp32 ring
 
 Same persistent pipeline as decode_tma: STAGES tiles in flight per program, one mbarrier per
 buffer and per operand (the checkpoint rows are copied before a PDL wait on the prep kernel,
-the parts after it). Needs launch.tma_capable, launch.tma_fits, a 16-bit state, K >= 16, and
-blocks of at least 16 value rows per warp.
+the parts after it). Needs launch.tma_capable, launch.tma_fits, a 16-bit state, K >= 32 (the
+MMA operands' 8-key runs per thread need two MMA steps of 16 keys), and blocks of at least 16
+value rows per warp.
 """
 
 from __future__ import annotations
