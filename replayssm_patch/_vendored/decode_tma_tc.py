@@ -11,9 +11,9 @@ where q = q_0 + q_1 + q_2 is q split into three numbers of the state's dtype (ea
 of what the earlier ones leave), likewise k. The tile's elements are exact in that dtype, every
 product is exact in fp32 and the split keeps 24 mantissa bits of q (bf16) or all that fp16's
 range allows, so the mat-vecs agree with fp32 FMAs to fp32 accumulation order. The prep kernel
-writes the split (`parts`, [N, H, 8, K]); each program copies a tile's parts beside its
-checkpoint rows by TMA, and reads the tile only as tensor-core operands: no unpacking, no
-shuffles. Only a flushing tile (one step in L) loads its rows into registers, for the rank-n
+writes the split (`parts`, [N * H, 8, K]); each program copies a tile's parts beside its
+checkpoint rows by TMA, and reads the tile only as tensor-core operands: no unpacking, and a
+few shuffles per tile instead of three per row. Only a flushing tile (one step in L) loads its rows into registers, for the rank-n
 update -- on tensor cores too with a 16-bit ring (the two-phase tensor-core flush's split of
 w_j d_j, decode_shared.rank_update_tc), as rank-1 fp32 updates with an fp32 ring.
 

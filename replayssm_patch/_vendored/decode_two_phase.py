@@ -10,6 +10,7 @@ byte than native's own decode. Scratch written by prep, read by main (fp32 unles
     coef  [N, HV, 4, LP]  row 0: w_j = exp(G_n - G_j), row 1: w_j (k_j . q), row 2: w_j (k_j . k)
                           (0 at j >= n); row 3: exp(G_n), alpha, beta, k . q at columns 0..3
     meta  [N] int32       n | flush << 16
+    parts [N*H, 8, BK]    (decode_tma_tc only, 16-bit) q and k split into three numbers each, 2 zero rows
 
 The cursor is read only by prep and written only by main (one program per row), so the two
 phases need no atomics: the kernel boundary orders every read before the write. With `pdl`
