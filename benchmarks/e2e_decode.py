@@ -87,7 +87,8 @@ def arm(args) -> None:
         # MTP on CUDA goes through the ring only when opted in; patch() also sets
         # VLLM_GDN_REPLAYSSM_MTP_CUDA=1 for the engine's processes
         report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
-                                       allow_mtp_cuda=bool(args.mtp))
+                                       allow_mtp_cuda=bool(args.mtp), min_batch=args.min_batch,
+                                       allow_16bit_state=args.state_dtype in ("bfloat16", "float16"))
         assert report["applied"], report
     from vllm import LLM, SamplingParams
 
@@ -227,6 +228,9 @@ def main() -> None:
     ap.add_argument("--kernel-json", default=None)
     ap.add_argument("--kernel-shape", default="qwen3-next", help="kernel benchmark shape with H=16, HV=32")
     ap.add_argument("--ring-dtype", default="auto")
+    ap.add_argument("--min-batch", default="auto",
+                    help="patched arm's min_batch: 'auto' (the dispatch table) or N (the ring from batch N; 1: always)")
+    ap.add_argument("--workdir", default=None, help="where the arms' logs (and profiles) go (default: a new temp dir)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multiprocessing executor for > 1)")
     ap.add_argument("--gdn-heads", default="16,32", metavar="HK,HV",
                     help="GDN key and value heads (default 16,32: Qwen3.5-9B; 16,48 for issue 7's TP=2 shape)")
@@ -251,7 +255,8 @@ def main() -> None:
         args.patched = args.arm == "patched"
         return arm(args)
 
-    workdir = tempfile.mkdtemp(prefix="replayssm-e2e-")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="replayssm-e2e-")
+    os.makedirs(workdir, exist_ok=True)
     model = os.path.join(workdir, "qwen35-9b-shape")
     os.makedirs(model)
     json.dump(model_config(args), open(os.path.join(model, "config.json"), "w"), indent=1)
@@ -265,7 +270,7 @@ def main() -> None:
                "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
                "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode),
                "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp),
-               "--profile-batches", args.profile_batches, "--shape", args.shape,
+               "--profile-batches", args.profile_batches, "--shape", args.shape, "--min-batch", args.min_batch,
                "--profile-dir", os.path.join(workdir, f"profile_{len(runs)}_{name}")]
         print(f"== arm {name}", flush=True)
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -273,9 +278,9 @@ def main() -> None:
         open(os.path.join(workdir, f"{len(runs)}_{name}.log"), "w").write(log)
         if p.returncode != 0:
             raise SystemExit(f"{name} failed:\n{log[-6000:]}")
-        if name == "patched" and args.mtp and "decode through the ring" not in log:
-            # strict mode does not raise for a config that is native by default (MTP on CUDA
-            # without the opt-in): make sure the patched arm really timed the ring
+        if name == "patched" and "decode through the ring" not in log:
+            # strict mode does not raise for a config that is native by default (an opt-in
+            # off): make sure the patched arm really timed the ring
             raise SystemExit(f"patched arm: no 'decode through the ring' line (GDN layers native, "
                              f"or VLLM_LOGGING_LEVEL above INFO):\n{log[-6000:]}")
         print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("[")), flush=True)
@@ -285,6 +290,11 @@ def main() -> None:
                                    if "Maximum concurrency" in ln or "KV cache size" in ln
                                    or "decode through the ring" in ln][:6]
         runs.append({"arm": name, **res})
+        if args.out:  # the runs so far, in the form --merge reads: a cut-off session keeps its pairs
+            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items()
+                                                                 if k not in ("arm", "model")}, "runs": runs},
+                      open(args.out + ".partial", "w"), indent=1)
     finish(args, runs)
 
 
