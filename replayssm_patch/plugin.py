@@ -10,6 +10,8 @@ def register() -> None:
     from . import options, patching
 
     options.declare_to_vllm()
-    patching.note_engine_start()
     if options.enabled_in_env():
         patching.apply(options.from_env())
+    # after apply: the options this process's first engine is built with (a process vLLM
+    # spawns starts without any, and its own apply is not "too late")
+    patching.note_engine_start()

@@ -11,6 +11,7 @@ def clean_patch_state():
     from replayssm_patch import options, patching
 
     patching.revert()
+    patching._engine_started.clear()
     yield patching
     patching.revert()
     patching._engine_started.clear()

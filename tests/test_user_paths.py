@@ -50,6 +50,24 @@ def test_vllm_knows_our_variables(monkeypatch, clean_patch_state):
         current_platform.validate_environ(hard_fail=True)
 
 
+def test_plugin_in_a_fresh_engine_process_does_not_say_too_late(monkeypatch, clean_patch_state, caplog):
+    """A process vLLM spawns (engine core, worker) runs the plugin before anything else: its
+    apply is the first, so no 'too late' warning; a later patch() with other options still gets one."""
+    import replayssm_patch
+    from replayssm_patch import plugin
+
+    for name in options.ALL_ENV_VARS:  # recorded, so what patch() sets is undone after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_GDN_REPLAYSSM", "1")
+    plugin.register()
+    report = clean_patch_state.report()
+    assert report["enabled"] and report["warnings"] == [], report
+    assert not any("after vLLM created an engine" in r.getMessage() for r in caplog.records)
+    late = replayssm_patch.patch(ring_len=8)["warnings"]
+    assert any("with other replayssm options" in w for w in late), late
+
+
 def test_patch_after_an_engine_was_created_says_it_is_too_late(clean_patch_state, caplog):
     import replayssm_patch
 
