@@ -53,8 +53,11 @@ SHADOW_TOL = 2e-3  # relative error vs vLLM's kernel on exact states (the demo's
 TIE_GAP = 0.01
 MIN_IDENTICAL = 0.9  # fraction of requests that must be fully identical
 
+# fp32 SSM state on every host: vLLM-CPU keeps the model dtype without AVX-512 BF16 and resets
+# to fp32 with it, and these tests' expectations are for fp32
 BASE = dict(load_format="safetensors", dtype="bfloat16", enforce_eager=True, max_model_len=512,
-            skip_tokenizer_init=True, max_num_seqs=8, seed=0, disable_log_stats=False)
+            skip_tokenizer_init=True, max_num_seqs=8, seed=0, disable_log_stats=False,
+            mamba_ssm_cache_dtype="float32")
 
 
 # The test checkpoints: random weights made decisive (tiny_models' `logit_echo`, LM head x0.15:

@@ -196,9 +196,6 @@ def main(spec_path: str) -> None:
         before = _ring_counters(spec)
         forced = eng.get("teacher_forced")
         kwargs = dict(eng["engine"])
-        # vLLM-CPU keeps the SSM state in the model dtype on hosts without AVX-512 BF16 and resets
-        # it to fp32 on hosts with it; the tests' expectations are for fp32 wherever they run.
-        kwargs.setdefault("mamba_ssm_cache_dtype", "float32")
         if forced is not None:
             from replayssm_patch.testing import teacher_forced
 
