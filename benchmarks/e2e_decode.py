@@ -142,16 +142,20 @@ def arm(args) -> None:
     print("RESULT_JSON " + json.dumps(res), flush=True)
 
 
-PROFILE_SKIP, PROFILE_STEPS = 8, 8  # engine steps skipped (prefill), then traced
+# engine steps skipped after the prefill chunks, then traced: 16 steps are one whole ring cycle
+# (the requests of a batch start together, so their cursors move in step and flush together)
+PROFILE_SKIP, PROFILE_STEPS = 8, 16
 
 
 def profile_steps(llm, prompts, profile_dir) -> dict:
     """Trace PROFILE_STEPS decode steps of a generate over `prompts`; summarise the trace."""
     from vllm import SamplingParams
 
+    chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    skip = PROFILE_SKIP + -(-sum(len(p["prompt_token_ids"]) for p in prompts) // chunk)  # + the prefill steps
     before = set(glob.glob(os.path.join(profile_dir, "**", "*.json*"), recursive=True))
-    llm.start_profile(delay_iterations=PROFILE_SKIP, max_iterations=PROFILE_STEPS)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=PROFILE_SKIP + PROFILE_STEPS + 16,
+    llm.start_profile(delay_iterations=skip, max_iterations=PROFILE_STEPS)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=skip + PROFILE_STEPS + 16,
                                          ignore_eos=True, detokenize=False), use_tqdm=False)
     llm.stop_profile()
     deadline = time.time() + 120  # the worker writes the trace after stop; wait for it

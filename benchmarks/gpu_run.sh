@@ -22,6 +22,10 @@
 #     graphs, poisoned rings, 3 rounds, llm.sleep(level=1) then (second run) level 2, and
 #     llm.wake_up() before each weight reload; summaries to $OUT/grpo_sleep1.json, grpo_sleep2.json
 #
+#   bash benchmarks/gpu_run.sh e2e16           # (needs install) the kernel benchmark at the Qwen3-Next
+#     shape, bf16 state (the bound), then e2e_decode.py bf16 state, default config, ring at every
+#     batch (--min-batch 1), ABBAAB, 3 repeats, profiled at 512, to $OUT/e2e_decode_bf16.json + logs
+#
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
 #     control at max_num_seqs 8, per-rank ring checks), then e2e_decode.py --tp 2 at batch 64 and
@@ -86,6 +90,17 @@ case "${1:?step}" in
     exit $rc ;;
   e2e)
     shift; python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode.json" --kernel-json benchmarks/results/kernel_decode.json "$@" 2>&1 | tail -40 ;;
+  e2e16)  # issue 23's end-to-end check: the same-run kernel bound (bf16 state, Qwen3-Next shape), then
+    # e2e_decode.py with a bf16 state in vLLM's default config, the ring at every batch, 3 pairs,
+    # 16 decode steps profiled at batch 512
+    rc=0
+    python3 benchmarks/kernel_decode.py --out-dir "$OUT/kernel" --no-sweep --reps 15 --shapes qwen3-next \
+      --dtypes bf16 --json-name kernel_decode_e2e16 > "$OUT/kernel.log" 2>&1 || rc=1
+    python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode_bf16.json" --workdir /tmp/e2e16 --state-dtype bfloat16 \
+      --min-batch 1 --batches "${BATCHES:-64,128,256,512}" --repeats 3 --order ABBAAB --profile-batches 512 \
+      --kernel-json "$OUT/kernel/kernel_decode_e2e16.json" 2>&1 | tail -30 || rc=1
+    cp /tmp/e2e16/*.log "$OUT/" 2>/dev/null || true
+    exit $rc ;;
   rollout)
     rc=0  # a failed run does not stop the next one; the step fails at the end
     for level in 1 2; do
