@@ -22,9 +22,10 @@
 #     graphs, poisoned rings, 3 rounds, llm.sleep(level=1) then (second run) level 2, and
 #     llm.wake_up() before each weight reload; summaries to $OUT/grpo_sleep1.json, grpo_sleep2.json
 #
-#   bash benchmarks/gpu_run.sh e2e16           # (needs install) the kernel benchmark at the Qwen3-Next
-#     shape, bf16 state (the bound), then e2e_decode.py bf16 state, default config, ring at every
-#     batch (--min-batch 1), ABBAAB, 3 repeats, profiled at 512, to $OUT/e2e_decode_bf16.json + logs
+#   bash benchmarks/gpu_run.sh e2e16 [ARGS]    # (needs install) the kernel benchmark at the Qwen3-Next
+#     shape, bf16 state (the bound; KERNEL_JSON=FILE uses FILE instead), then e2e_decode.py bf16
+#     state, default config, ring at every batch (--min-batch 1), ABBAAB, 3 repeats, profiled at
+#     512 (ARGS override these), to $OUT/e2e_decode_bf16.json + logs
 #
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
@@ -93,13 +94,13 @@ case "${1:?step}" in
   e2e16)  # issue 23's end-to-end check: the same-run kernel bound (bf16 state, Qwen3-Next shape), then
     # e2e_decode.py with a bf16 state in vLLM's default config, the ring at every batch, 3 pairs,
     # 16 decode steps profiled at batch 512
-    rc=0
-    python3 benchmarks/kernel_decode.py --out-dir "$OUT/kernel" --no-sweep --reps 15 --shapes qwen3-next \
-      --dtypes bf16 --json-name kernel_decode_e2e16 > "$OUT/kernel.log" 2>&1 || rc=1
-    python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode_bf16.json" --workdir /tmp/e2e16 --state-dtype bfloat16 \
-      --min-batch 1 --batches "${BATCHES:-64,128,256,512}" --repeats 3 --order ABBAAB --profile-batches 512 \
-      --kernel-json "$OUT/kernel/kernel_decode_e2e16.json" 2>&1 | tail -30 || rc=1
-    cp /tmp/e2e16/*.log "$OUT/" 2>/dev/null || true
+    # (further arguments go to e2e_decode.py and override these; KERNEL_JSON=FILE skips the kernel run)
+    shift; rc=0; kj=${KERNEL_JSON:-$OUT/kernel/kernel_decode_e2e16.json}
+    [ -n "${KERNEL_JSON:-}" ] || python3 benchmarks/kernel_decode.py --out-dir "$OUT/kernel" --no-sweep --reps 15 \
+      --shapes qwen3-next --dtypes bf16 --json-name kernel_decode_e2e16 > "$OUT/kernel.log" 2>&1 || rc=1
+    python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode_bf16.json" --workdir "$OUT/work" --state-dtype bfloat16 \
+      --min-batch 1 --batches 64,128,256,512 --repeats 3 --order ABBAAB --profile-batches 512 \
+      --kernel-json "$kj" "$@" 2>&1 | tail -30 || rc=1
     exit $rc ;;
   rollout)
     rc=0  # a failed run does not stop the next one; the step fails at the end
@@ -135,7 +136,7 @@ case "${1:?step}" in
       [ -e "$f" ] || continue
       n=$(basename "$f" .log); echo "== $n rc=$(cat /tmp/jobs/$n.rc 2>/dev/null || echo running)"; tail -6 "$f"
     done
-    tar czf "$OUT/jobs.tgz" -C /tmp jobs res ;;
+    tar czf "$OUT/jobs.tgz" --exclude='*.pt.trace.json*' -C /tmp jobs res ;;  # logs and results, not traces
   vltree)
     mkdir -p /tmp/vl && tar xJf "${2:?tarball}" -C /tmp/vl && ls /tmp/vl ;;
   ktest)
