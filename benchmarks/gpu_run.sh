@@ -48,21 +48,31 @@
 #     copied to DIR (e.g. `git archive COMMIT replayssm_patch/_vendored`) as a baseline arm, then
 #     the verify kernel benchmark; to $OUT/kernel_decode{,_fp32ring}.{json,md}, kernel_spec.{json,md}
 #   bash benchmarks/gpu_run.sh probe      # what imports for Hopper kernel work, to $OUT/gpu_probe.json
+#   bash benchmarks/gpu_run.sh fiinstall  # unpack FlashInfer + CuTe DSL (.bundle/fi/flashinfer.tar.xz.NN from
+#     benchmarks/make_flashinfer_bundle.sh, staged like the vLLM parts) to /tmp/fi-site, which every
+#     step then finds on PYTHONPATH; `kbench --flashinfer` times it beside ours and vLLM's
 #   bash benchmarks/gpu_run.sh mtpprof   # (needs install) MTP T=3 batch 256, AB, with
 #     --profile-batches 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 B=/tmp/bundle; SITE=/tmp/vllm-site
+FI=/tmp/fi-site  # cutlass lives in dsl_packages, which its wheel adds through a .pth file (site dirs only)
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+[ -d $FI ] && export PYTHONPATH=$PYTHONPATH:$FI:$FI/nvidia_cutlass_dsl/dsl_packages
 export NCCL_NVLS_ENABLE=0 VLLM_CACHE_ROOT=/tmp/vllm-cache
 case "${1:?step}" in
   stage)
-    mkdir -p $B/parts $B/deps
+    mkdir -p $B/parts $B/deps $B/fi
     cp -n .bundle/parts/* $B/parts/ 2>/dev/null || true
+    cp -n .bundle/fi/* $B/fi/ 2>/dev/null || true
     cp -n .bundle/deps/* $B/deps/ 2>/dev/null || true
     cp -n .bundle/install_bundle.sh $B/ 2>/dev/null || true
-    ls -la $B/parts; ls $B/deps | wc -l ;;
+    ls -la $B/parts $B/fi; ls $B/deps | wc -l ;;
+  fiinstall)
+    mkdir -p $FI && cat $B/fi/flashinfer.tar.xz.* | xz -d | tar x -C $FI
+    PYTHONPATH=$PYTHONPATH:$FI:$FI/nvidia_cutlass_dsl/dsl_packages python3 -c \
+      "import cutlass.cute, flashinfer.gdn_decode as g; print('flashinfer', g.__name__, 'cutlass.cute ok')" 2>&1 | tail -3 ;;
   install)
     bash $B/install_bundle.sh $B/parts $B/deps $SITE
     python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2

@@ -33,6 +33,13 @@ DIR (a copy of another commit's `replayssm_patch/_vendored`, e.g. from `git arch
 own launch table, on the same buffers. Its per-cell ratio (`vs_baseline` = baseline / ours time)
 is the same-run A/B a refactor of the kernels is judged by.
 
+`--flashinfer` adds FlashInfer's GDN decode (`gated_delta_rule_decode_pretranspose`, the
+generic CuTe DSL kernels: `backend="flashinfer"`) as another arm in the same replays, on the
+cells it serves (bf16 and fp32 states; K = V = 128): a native decode, like vLLM's, on its own
+copy of the state pool. It takes q, k, v as separate contiguous tensors (vLLM's kernel reads the
+packed qkv projection). Before timing, one step of it from the same state is compared with
+vLLM's (`flashinfer_vs_native`); a cell it refuses or fails keeps the reason instead.
+
 Writes <out-dir>/kernel_decode.json (with a `summary`) and <out-dir>/kernel_decode.md.
 """
 
@@ -83,6 +90,7 @@ SWEEP = [DecodeLaunch("fused", bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (1
         (64, 1, 3, True), (64, 2, 3, False), (64, 2, 4, False), (64, 2, 3, True), (64, 4, 2, False),
         (64, 4, 3, False), (128, 2, 2, False), (128, 4, 2, False))] + [
     DecodeLaunch("tma", 64, 2, stages=3, max_regs=128, matvec_tc=True)]
+FLASHINFER_STATES = ("bf16", "fp32")  # the state dtypes its pretranspose decode takes
 MIN_FOOTPRINT = 256 << 20
 MAX_LAYERS = 64
 
@@ -166,6 +174,16 @@ def load_baseline(path):
         return importlib.import_module(f"{name}.ring_decode").ring_decode
 
 
+def load_flashinfer():
+    """(FlashInfer's gated_delta_rule_decode_pretranspose, its version), or (None, why not)."""
+    try:
+        import flashinfer
+        from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose
+    except Exception as e:  # not installed, or a dependency missing: the run goes on without it
+        return None, f"{type(e).__name__}: {e}"
+    return gated_delta_rule_decode_pretranspose, flashinfer.__version__
+
+
 # --------------------------------------------------------------------------------------------
 # Buffers
 # --------------------------------------------------------------------------------------------
@@ -193,6 +211,24 @@ class Layer:
         self.cursor0 = self.cursor.clone()
         self.native_state = self.state.clone() if native else None
         self.native_out = torch.empty_like(self.out)
+        self.fi_state = None  # FlashInfer's arm: buffers made by with_flashinfer()
+
+    def with_flashinfer(self):
+        """FlashInfer's inputs: q, k [B, 1, H, K], v [B, 1, HV, V], a, b [B, 1, HV] contiguous
+        (the same values as the packed qkv), and its own copy of the initial state pool."""
+        B, H, HV, K = self.B, self.H, self.HV, HEAD_DIM
+        q, k, v = self.qkv.split([H * K, H * K, HV * K], dim=-1)
+        self.fi_q, self.fi_k = (x.reshape(B, 1, H, K).contiguous() for x in (q, k))
+        self.fi_v = v.reshape(B, 1, HV, K).contiguous()
+        self.fi_a, self.fi_b = (x.reshape(B, 1, HV).contiguous() for x in (self.a, self.b))
+        self.fi_state = self.state.clone()
+        self.fi_out = torch.empty_like(self.out)
+        return self
+
+    def flashinfer(self, fn):
+        fn(self.fi_q, self.fi_k, self.fi_v, None, self.A_log, self.fi_a, self.dt_bias, self.fi_b,
+           scale=HEAD_DIM ** -0.5, output=self.fi_out, use_qk_l2norm=True, initial_state=self.fi_state,
+           initial_state_indices=self.idx, backend="flashinfer")
 
     def ours(self, launch=None, decode_fn=None):
         """One step through our ring decode (`launch` None: the table's pick), or through
@@ -259,6 +295,24 @@ def precompile(jobs, workers):
 # --------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------
+
+def flashinfer_vs_native(layer, native_fn, fi_fn):
+    """One step of each from the layer's (shared) initial state: the largest difference of the
+    outputs and of the written states, relative to the largest magnitude of native's."""
+    layer.native(native_fn)
+    layer.flashinfer(fi_fn)
+    torch.cuda.synchronize()
+    rows = layer.idx.long()
+
+    def rel(x, ref):
+        return float((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+    out = {"out": rel(layer.fi_out, layer.native_out),
+           "state": rel(layer.fi_state[rows], layer.native_state[rows])}
+    layer.native_state.copy_(layer.state)  # both arms start their cycles from the same state again
+    layer.fi_state.copy_(layer.state)
+    return {k: float(f"{v:.3g}") for k, v in out.items()}
+
 
 def capture(step_fn, layers):
     """A CUDA graph of one full ring cycle: L steps x all layers."""
@@ -331,6 +385,9 @@ def run(args):
     import triton
 
     native_fn, vllm_version, vllm_how = load_native(args.vllm_root)
+    fi_fn, fi_version = load_flashinfer() if args.flashinfer else (None, None)
+    if args.flashinfer:
+        print(f"flashinfer: {fi_version}" if fi_fn else f"flashinfer not loaded: {fi_version}", flush=True)
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     batches = [b for b in BATCHES if b <= args.max_batch]
@@ -367,6 +424,7 @@ def run(args):
         "L": L, "reps": args.reps, "sweep_reps": args.sweep_reps,
         "precompile_errors": errors,
         "baseline": args.baseline_label if args.baseline else None,
+        "flashinfer": (fi_version if fi_fn else f"not loaded: {fi_version}") if args.flashinfer else None,
     }
     baseline_fn = load_baseline(args.baseline) if args.baseline else None
     rows = []
@@ -384,6 +442,16 @@ def run(args):
                           "ours": capture(lambda ly: ly.ours(None), layers)}
                 if baseline_fn is not None:
                     graphs["baseline"] = capture(lambda ly: ly.ours(decode_fn=baseline_fn), layers)
+                fi = {}
+                if fi_fn is not None and sdt_name in FLASHINFER_STATES:
+                    try:
+                        for ly in layers:
+                            ly.with_flashinfer()
+                        fi["flashinfer_vs_native"] = flashinfer_vs_native(layers[0], native_fn, fi_fn)
+                        graphs["flashinfer"] = capture(lambda ly: ly.flashinfer(fi_fn), layers)
+                    except Exception as e:  # kept in the row; the other arms still run
+                        fi = {"flashinfer_error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        torch.cuda.synchronize()
                 arms = list(graphs)
                 for ly in layers:
                     assert torch.equal(ly.cursor, ly.cursor0), "a cycle must return the cursors"
@@ -424,10 +492,17 @@ def run(args):
                     t_base = statistics.median(main["baseline"]) / steps * 1e3
                     row["baseline_us"] = round(t_base, 3)
                     row["vs_baseline"] = round(t_base / t_our, 4)
+                if "flashinfer" in main:
+                    t_fi = statistics.median(main["flashinfer"]) / steps * 1e3
+                    fi.update(flashinfer_us=round(t_fi, 3), flashinfer_speedup=round(t_nat / t_fi, 4),
+                              ours_vs_flashinfer=round(t_fi / t_our, 4))
+                row.update(fi)
                 rows.append(row)
                 print(f"{shape_name:13s} {sdt_name} B={B:4d} NL={NL:3d} native {t_nat:9.2f} us  ours {t_our:9.2f} us "
                       f"x{t_nat / t_our:5.2f}  roof {roof_us / t_our:5.1%}  [{heur.name}; best {best} "
-                      f"{sweep_us[best]:.2f}]" + (f"  vs baseline x{row['vs_baseline']:.3f}" if baseline_fn else ""),
+                      f"{sweep_us[best]:.2f}]" + (f"  vs baseline x{row['vs_baseline']:.3f}" if baseline_fn else "")
+                      + (f"  flashinfer {row['flashinfer_us']:.2f} us" if "flashinfer_us" in row else "")
+                      + (f"  flashinfer failed: {row['flashinfer_error']}" if "flashinfer_error" in row else ""),
                       flush=True)
                 del graphs, layers
                 torch.cuda.synchronize()
@@ -496,6 +571,12 @@ def per_dtype_summary(rows):
         "min_speedup_where_dispatched": lo(lambda r: r["batch"] >= min_batch(r), "speedup"),
         "dispatch_min_batch": {"fp32": AUTO_MIN_BATCH[("cuda", False)], "16bit": AUTO_MIN_BATCH[("cuda", True)]},
     }
+    fi = [r for r in rows if "flashinfer_us" in r]
+    if fi:  # where FlashInfer's native decode would beat ours, it could be a backend
+        out.update({"flashinfer_cells": len(fi), "min_ours_vs_flashinfer": min(r["ours_vs_flashinfer"] for r in fi),
+                    "max_flashinfer_speedup": max(r["flashinfer_speedup"] for r in fi),
+                    "flashinfer_faster_than_ours": [f"{r['shape']} {r['state_dtype']} B={r['batch']}"
+                                                    for r in fi if r["ours_vs_flashinfer"] < 1.0]})
     ratios = [r["vs_baseline"] for r in rows if "vs_baseline" in r]
     if ratios:
         out.update({"vs_baseline_median": round(statistics.median(ratios), 4), "vs_baseline_min": min(ratios),
@@ -591,6 +672,11 @@ def render_md(res):
         out += [f"Same-run A/B against the baseline kernels ({res.get('baseline')}): baseline time / ours, median "
                 f"**{s['vs_baseline_median']}** (min {s['vs_baseline_min']}, max {s['vs_baseline_max']}) over "
                 f"{s['vs_baseline_cells']} cells; per cell in the last column.", ""]
+    if "flashinfer_cells" in s:
+        out += [f"FlashInfer {res.get('flashinfer')} (`gated_delta_rule_decode_pretranspose`, backend \"flashinfer\", "
+                f"q/k/v contiguous) in the same replays on {s['flashinfer_cells']} cells: FlashInfer time / ours "
+                f"min **{s['min_ours_vs_flashinfer']}**; native / FlashInfer max {s['max_flashinfer_speedup']}; "
+                f"cells where FlashInfer beats ours: {', '.join(s['flashinfer_faster_than_ours']) or 'none'}.", ""]
     if shipped:
         out += [
             f"The `ours` columns use the launch table shipped after this run ({s['shipped_table']}). "
@@ -610,8 +696,10 @@ def render_md(res):
         out += [
             "| shape | state | batch | native us | ours us | speedup | ours % roofline | "
             "native % copy-bw roofline | ours config | best swept config (us) |"
-            + (" baseline / ours |" if "vs_baseline_median" in s else ""),
-            "|---|---|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|" if "vs_baseline_median" in s else ""),
+            + (" baseline / ours |" if "vs_baseline_median" in s else "")
+            + (" FlashInfer us | FlashInfer / ours | FlashInfer vs native (out, state) |" if "flashinfer_cells" in s else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|" if "vs_baseline_median" in s else "")
+            + ("---:|---:|---|" if "flashinfer_cells" in s else ""),
         ]
         for r in res["rows"]:
             out.append(
@@ -619,7 +707,8 @@ def render_md(res):
                 f"{r['native_us']:.2f} | {r['ours_us']:.2f} | {r['speedup']:.2f} | "
                 f"{100 * r['roofline_fraction']:.1f} | {100 * r['native_roofline_fraction']:.1f} | "
                 f"{r['ours_config']} | {r['best_config']} ({r['sweep_us'][r['best_config']]:.2f}) |"
-                + (f" {r['vs_baseline']:.3f} |" if "vs_baseline" in r else ""))
+                + (f" {r['vs_baseline']:.3f} |" if "vs_baseline" in r else "")
+                + (_flashinfer_cells(r) if "flashinfer_cells" in s else ""))
     out += ["", "All swept configurations per cell (us per layer-step) are in the JSON (`sweep_us`)."]
     for note in res.get("notes", []):
         out += ["", f"Note: {note}"]
@@ -632,6 +721,13 @@ def render_md(res):
             vals = ", ".join(f"{k}={v:.2e}" for k, v in t.items() if k not in ("test", "bound"))
             out.append(f"| {t['test']} | {vals} | {t.get('bound', '')} |")
     return "\n".join(out) + "\n"
+
+
+def _flashinfer_cells(r):
+    if "flashinfer_us" in r:
+        err = r["flashinfer_vs_native"]
+        return f" {r['flashinfer_us']:.2f} | {r['ours_vs_flashinfer']:.2f} | {err['out']:.1e}, {err['state']:.1e} |"
+    return f" - | - | {r.get('flashinfer_error', 'not run for this state')[:80]} |"
 
 
 def main(argv=None):
@@ -653,6 +749,8 @@ def main(argv=None):
                     help="a copy of another commit's replayssm_patch/_vendored: timed as a third arm")
     ap.add_argument("--baseline-label", default="baseline", help="what --baseline is (kept in the results)")
     ap.add_argument("--json-name", default="kernel_decode", help="results file stem in --out-dir")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also time FlashInfer's GDN decode (needs flashinfer-python and nvidia-cutlass-dsl)")
     ap.add_argument("--test-report", default=None, help="JSON lines written by the GPU tests")
     ap.add_argument("--rescore", default=None, metavar="JSON",
                     help="no GPU: re-pick configs with the current launch table from a results "
