@@ -148,6 +148,41 @@ def test_kernel_summary_by_state_width_dispatch_and_baseline(tmp_path):
     assert "baseline / ours" in md and "commit bd22395" in md and "median **1.0063**" in md
 
 
+def test_kernel_summary_with_flashinfer_cells(tmp_path):
+    pytest.importorskip("triton")
+    import argparse
+
+    mod = _load("kernel_decode")
+    rows = [_kernel_row("qwen3-next", "bf16", 64, 50.0, 40.0), _kernel_row("qwen3-next", "bf16", 512, 200.0, 150.0),
+            _kernel_row("qwen3-next", "fp16", 512, 210.0, 160.0)]
+    rows[0].update(flashinfer_us=36.0, flashinfer_speedup=round(50 / 36, 4), ours_vs_flashinfer=0.9,
+                   flashinfer_vs_native={"out": 4e-3, "state": 8e-3})
+    rows[1].update(flashinfer_us=180.0, flashinfer_speedup=round(200 / 180, 4), ours_vs_flashinfer=1.2,
+                   flashinfer_vs_native={"out": 4e-3, "state": 8e-3})
+    s = mod.per_dtype_summary(rows)
+    assert s["flashinfer_cells"] == 2 and s["min_ours_vs_flashinfer"] == 0.9
+    assert s["flashinfer_faster_than_ours"] == ["qwen3-next bf16 B=64"]
+    assert s["max_flashinfer_speedup"] == round(50 / 36, 4)
+    args = argparse.Namespace(test_report=None, out_dir=str(tmp_path), json_name="k")
+    meta = {"args": args, "bw": 4e12, "gpu": "H200", "sms": 132, "torch": "t", "triton": "t", "vllm": "v",
+            "vllm_loaded_as": "x", "python": "3", "date": "d", "command": "c", "method": "m", "L": 16, "reps": 3,
+            "sweep_reps": 1, "precompile_errors": [], "baseline": None, "flashinfer": "0.7.4"}
+    mod.finalize(rows, meta)
+    md = (tmp_path / "k.md").read_text()
+    assert "FlashInfer 0.7.4" in md and "min **0.9**" in md and "beats ours: qwen3-next bf16 B=64" in md
+    assert "| 36.00 | 0.90 | 4.0e-03, 8.0e-03 |" in md and "| - | - | not run for this state |" in md
+
+
+def test_kernel_flashinfer_missing_is_a_reason_not_a_crash(monkeypatch):
+    pytest.importorskip("triton")
+    import sys
+
+    mod = _load("kernel_decode")
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import of it raises ModuleNotFoundError
+    fn, why = mod.load_flashinfer()
+    assert fn is None and "ModuleNotFoundError" in why and "flashinfer" in why
+
+
 def test_kernel_baseline_loads_either_package_layout(tmp_path):
     pytest.importorskip("triton")
     import shutil
