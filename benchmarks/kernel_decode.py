@@ -438,16 +438,24 @@ def run(args):
                 gen = torch.Generator(device="cuda").manual_seed(B * 131 + HV)
                 layers = [Layer(B, H, HV, sdt, gen) for _ in range(NL)]
                 heur = pick_decode_launch(B, HV, sdt, RING_DTYPE, L, dev)
-                graphs = {"native": capture(lambda ly: ly.native(native_fn), layers),
-                          "ours": capture(lambda ly: ly.ours(None), layers)}
-                if baseline_fn is not None:
-                    graphs["baseline"] = capture(lambda ly: ly.ours(decode_fn=baseline_fn), layers)
-                fi = {}
+                # FlashInfer's check first: the captures' warm-up cycles move every arm's state
+                # (and ours' rings) on, so only now do all arms hold the same initial state
+                fi, fi_ok = {}, False
                 if fi_fn is not None and sdt_name in FLASHINFER_STATES:
                     try:
                         for ly in layers:
                             ly.with_flashinfer()
                         fi["flashinfer_vs_native"] = flashinfer_vs_native(layers[0], native_fn, fi_fn)
+                        fi_ok = True
+                    except Exception as e:
+                        fi = {"flashinfer_error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        torch.cuda.synchronize()
+                graphs = {"native": capture(lambda ly: ly.native(native_fn), layers),
+                          "ours": capture(lambda ly: ly.ours(None), layers)}
+                if baseline_fn is not None:
+                    graphs["baseline"] = capture(lambda ly: ly.ours(decode_fn=baseline_fn), layers)
+                if fi_ok:
+                    try:
                         graphs["flashinfer"] = capture(lambda ly: ly.flashinfer(fi_fn), layers)
                     except Exception as e:  # kept in the row; the other arms still run
                         fi = {"flashinfer_error": f"{type(e).__name__}: {str(e)[:300]}"}

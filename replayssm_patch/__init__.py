@@ -42,7 +42,7 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
     min_batch: plain decode steps with fewer rows decode with vLLM's native kernel (the rows'
         rings are flushed first, so the switch is exact either way); "auto" (default) takes the
         measured table (`replayssm_patch.dispatch`): on CUDA the ring from batch 1 for an fp32
-        state and from 128 for a 16-bit one; on CPU never (plain decode stays native and the
+        state and from 256 for a 16-bit one; on CPU never (plain decode stays native and the
         ring is not allocated; any integer serves it from that batch size).
 
     Returns a report: whether it applied, what was patched, and every reason it did not.

@@ -312,7 +312,7 @@ def test_cuda_16bit_state_stays_native_unless_allowed(monkeypatch):
     assert plan is None and "16-bit states" in reasons[0]
     auto = options.Options(enabled=True)
     opted_in, _ = plan_for(bf16, options.Options(enabled=True, allow_16bit_state=True))
-    assert opted_in is not None and opted_in.min_batch == 128  # dispatch.AUTO_MIN_BATCH
+    assert opted_in is not None and opted_in.min_batch == 256  # dispatch.AUTO_MIN_BATCH
     fp32, _ = plan_for(fake_config(), auto)
     assert fp32 is not None and fp32.min_batch == 1  # fp32 state is served at every batch
 
