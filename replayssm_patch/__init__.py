@@ -33,8 +33,9 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
     ring_dtype: dtype of the ring's d/k entries: "auto" (fp32 for an fp32 SSM state, else the
         activation dtype), "activation" (always the activation dtype: half the ring bytes) or
         "float32".
-    allow_16bit_state: on CUDA, also serve bf16/fp16 SSM states (off by default: the ring
-        kernel is slower than vLLM's native decode there at small batches).
+    allow_16bit_state: on CUDA, also serve bf16/fp16 SSM states (off by default: end to end
+        the ring measured faster than vLLM only at batch 256, and it costs about 15% of the KV
+        cache; opted in, `min_batch="auto"` starts it at 256).
     allow_mtp_cuda: on CUDA (vLLM >= 0.32), also serve MTP speculative decoding through the
         ring. Off by default: measured end to end it is slower than vLLM 0.33's fused CUDA MTP
         kernel in most configs; opt in for the GDN cache memory it saves (one state slot per
