@@ -57,9 +57,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 B=/tmp/bundle; SITE=/tmp/vllm-site
-FI=/tmp/fi-site  # cutlass lives in dsl_packages, which its wheel adds through a .pth file (site dirs only)
+FI=/tmp/fi-site
+FI_PATH=$FI:$FI/nvidia_cutlass_dsl/dsl_packages  # cutlass's dir: its wheel adds it by a .pth file (site dirs only)
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-[ -d $FI ] && export PYTHONPATH=$PYTHONPATH:$FI:$FI/nvidia_cutlass_dsl/dsl_packages
+[ -d $FI ] && export PYTHONPATH=$PYTHONPATH:$FI_PATH
 export NCCL_NVLS_ENABLE=0 VLLM_CACHE_ROOT=/tmp/vllm-cache
 case "${1:?step}" in
   stage)
@@ -71,7 +72,7 @@ case "${1:?step}" in
     ls -la $B/parts $B/fi; ls $B/deps | wc -l ;;
   fiinstall)
     mkdir -p $FI && cat $B/fi/flashinfer.tar.xz.* | xz -d | tar x -C $FI
-    PYTHONPATH=$PYTHONPATH:$FI:$FI/nvidia_cutlass_dsl/dsl_packages python3 -c \
+    PYTHONPATH=$PYTHONPATH:$FI_PATH python3 -c \
       "import cutlass.cute, flashinfer.gdn_decode as g; print('flashinfer', g.__name__, 'cutlass.cute ok')" 2>&1 | tail -3 ;;
   install)
     bash $B/install_bundle.sh $B/parts $B/deps $SITE

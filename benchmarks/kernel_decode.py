@@ -223,7 +223,6 @@ class Layer:
         self.fi_a, self.fi_b = (x.reshape(B, 1, HV).contiguous() for x in (self.a, self.b))
         self.fi_state = self.state.clone()
         self.fi_out = torch.empty_like(self.out)
-        return self
 
     def flashinfer(self, fn):
         fn(self.fi_q, self.fi_k, self.fi_v, None, self.A_log, self.fi_a, self.dt_bias, self.fi_b,
@@ -438,28 +437,24 @@ def run(args):
                 gen = torch.Generator(device="cuda").manual_seed(B * 131 + HV)
                 layers = [Layer(B, H, HV, sdt, gen) for _ in range(NL)]
                 heur = pick_decode_launch(B, HV, sdt, RING_DTYPE, L, dev)
-                # FlashInfer's check first: the captures' warm-up cycles move every arm's state
-                # (and ours' rings) on, so only now do all arms hold the same initial state
-                fi, fi_ok = {}, False
+                # FlashInfer first: the other captures' warm-up cycles move their states (and ours'
+                # rings) on, so only now do all arms hold the same initial state for its check
+                fi, fi_graph = {}, None
                 if fi_fn is not None and sdt_name in FLASHINFER_STATES:
                     try:
                         for ly in layers:
                             ly.with_flashinfer()
                         fi["flashinfer_vs_native"] = flashinfer_vs_native(layers[0], native_fn, fi_fn)
-                        fi_ok = True
-                    except Exception as e:
+                        fi_graph = capture(lambda ly: ly.flashinfer(fi_fn), layers)
+                    except Exception as e:  # kept in the row; the other arms still run
                         fi = {"flashinfer_error": f"{type(e).__name__}: {str(e)[:300]}"}
                         torch.cuda.synchronize()
                 graphs = {"native": capture(lambda ly: ly.native(native_fn), layers),
                           "ours": capture(lambda ly: ly.ours(None), layers)}
                 if baseline_fn is not None:
                     graphs["baseline"] = capture(lambda ly: ly.ours(decode_fn=baseline_fn), layers)
-                if fi_ok:
-                    try:
-                        graphs["flashinfer"] = capture(lambda ly: ly.flashinfer(fi_fn), layers)
-                    except Exception as e:  # kept in the row; the other arms still run
-                        fi = {"flashinfer_error": f"{type(e).__name__}: {str(e)[:300]}"}
-                        torch.cuda.synchronize()
+                if fi_graph is not None:
+                    graphs["flashinfer"] = fi_graph
                 arms = list(graphs)
                 for ly in layers:
                     assert torch.equal(ly.cursor, ly.cursor0), "a cycle must return the cursors"
@@ -558,7 +553,7 @@ def finalize(rows, meta):
 def per_dtype_summary(rows):
     """Minima by state width (fp32 / 16-bit), over the cells where the end-to-end dispatch
     (replayssm_patch.dispatch.AUTO_MIN_BATCH) sends decode through the ring, and the same-run
-    ratio to the baseline kernels where that arm ran."""
+    ratios to the baseline kernels and to FlashInfer where those arms ran."""
     from replayssm_patch.dispatch import AUTO_MIN_BATCH
 
     def lo(sel, key):
