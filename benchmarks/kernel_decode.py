@@ -370,13 +370,14 @@ def copy_bandwidth():
 
 
 def swept(args, state_dtype):
-    """The SWEEP launches this run times for a state dtype (none with --no-sweep; tensor-core
-    flushes only with a 16-bit ring, tensor-core mat-vecs only with a 16-bit state)."""
+    """The launches this run times for a state dtype beside the table's pick: SWEEP, or the
+    --sweep-only launches (any valid name, in SWEEP or not); none with --no-sweep. Tensor-core
+    flushes only with a 16-bit ring, tensor-core mat-vecs only with a 16-bit state."""
     if not args.sweep:
         return []
     tma = tma_capable(torch.device("cuda", torch.cuda.current_device()))
-    return [c for c in SWEEP if (args.sweep_only is None or c.name in args.sweep_only)
-            and not (c.flush_tc and RING_DTYPE == torch.float32) and (tma or c.form != "tma")
+    launches = SWEEP if args.sweep_only is None else [DecodeLaunch.from_name(n) for n in args.sweep_only]
+    return [c for c in launches if not (c.flush_tc and RING_DTYPE == torch.float32) and (tma or c.form != "tma")
             and not (c.matvec_tc and state_dtype == torch.float32)]
 
 
@@ -747,7 +748,8 @@ def main(argv=None):
     ap.add_argument("--ring-dtype", choices=["bf16", "fp32"], default="bf16",
                     help="ring d/k dtype (the integration uses fp32 rings for fp32 states by default)")
     ap.add_argument("--sweep-only", nargs="*", default=None, metavar="NAME",
-                    help="time only these swept launches (DecodeLaunch.name) beside the table's pick")
+                    help="time these launches (DecodeLaunch.name, in SWEEP or not) instead of SWEEP beside "
+                         "the table's pick")
     ap.add_argument("--baseline", default=None, metavar="DIR",
                     help="a copy of another commit's replayssm_patch/_vendored: timed as a third arm")
     ap.add_argument("--baseline-label", default="baseline", help="what --baseline is (kept in the results)")
@@ -760,6 +762,11 @@ def main(argv=None):
                          "file's sweep and rewrite it and its .md")
     ap.add_argument("--note", default=None, help="with --rescore: a note to keep in the results")
     args = ap.parse_args(argv)
+    for name in args.sweep_only or ():
+        try:
+            DecodeLaunch.from_name(name)
+        except ValueError as e:
+            ap.error(f"--sweep-only: {e}")
     global RING_DTYPE
     RING_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.ring_dtype]
     if args.rescore:

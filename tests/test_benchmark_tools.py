@@ -222,4 +222,20 @@ def test_host_overhead_times_both_arms(tmp_path):
     assert [r["rows"] for r in res["rows"]] == [1, 64]
     for r in res["rows"]:
         assert r["ours_us"] > 0 and r["baseline_us"] > 0 and r["ours_over_baseline"] > 0 and r["ours_tma_us"] > 0
-    assert [r["tma_launch"] for r in res["rows"]] == ["fused_bv8_w1", "tma_bv32_w4_s2"]  # as the table on Hopper
+    assert [r["tma_launch"] for r in res["rows"]] == ["fused_bv8_w1", "tma_bv16_w2_s1"]  # as the table on Hopper
+
+
+def test_kernel_sweep_only_takes_any_launch_and_refuses_a_bad_name(capsys, monkeypatch):
+    pytest.importorskip("triton")
+    import types
+
+    mod = _load("kernel_decode")
+    monkeypatch.setattr(mod, "tma_capable", lambda device: True)  # as on the H200
+    monkeypatch.setattr(mod.torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(SystemExit):
+        mod.main(["--sweep-only", "tma_bv32_w1_s2_mv", "not_a_launch"])
+    assert "--sweep-only" in capsys.readouterr().err
+    args = types.SimpleNamespace(sweep=True, sweep_only=["tma_bv32_w1_s2_mv", "fused_bv8_w1"])
+    names = [c.name for c in mod.swept(args, mod.torch.bfloat16)]
+    assert names == ["tma_bv32_w1_s2_mv", "fused_bv8_w1"]  # outside SWEEP: timed, not dropped
+    assert all(not c.matvec_tc for c in mod.swept(args, mod.torch.float32))
