@@ -47,14 +47,19 @@ EXPECTED = [
 # The same where the TMA form runs (an H200): its rows come first where they apply.
 EXPECTED_TMA = [
     (8, 32, F32, BF16, DecodeLaunch("fused", 32)),                       # 256 pairs: below its rows
-    (16, 32, F32, BF16, DecodeLaunch("tma", 32, 4, stages=1, max_regs=96)),  # 512 pairs, fp32 state
-    (64, 32, F32, F32, DecodeLaunch("tma", 32, 4, stages=2)),            # 2048 pairs
+    (16, 32, F32, BF16, DecodeLaunch("tma", 16, 2, stages=1)),           # 512 pairs, fp32 state
+    (64, 32, F32, F32, DecodeLaunch("tma", 16, 2, stages=1)),            # 2048 pairs
+    (511, 32, F32, F32, DecodeLaunch("tma", 16, 2, stages=1)),           # 16352 pairs
+    (512, 32, F32, F32, DecodeLaunch("tma", 32, 4, stages=2)),           # 16384 pairs: two stages
     (512, 64, F32, BF16, DecodeLaunch("tma", 32, 4, stages=2)),          # fp32 state: up to any size
-    (16, 32, BF16, BF16, DecodeLaunch("tma", 32, 4, pdl=True, stages=1)),  # 16-bit state
-    (64, 32, F16, F16, DecodeLaunch("tma", 32, 1, stages=3, matvec_tc=True)),  # 2048 pairs: tensor-core mat-vecs
-    (255, 32, BF16, BF16, DecodeLaunch("tma", 64, 1, stages=2, matvec_tc=True)),
-    (256, 32, BF16, BF16, DecodeLaunch("tma", 64, 1, stages=2, matvec_tc=True)),
-    (512, 64, BF16, BF16, DecodeLaunch("tma", 128, 4, stages=2, matvec_tc=True)),
+    (16, 32, BF16, BF16, DecodeLaunch("tma", 32, 4, pdl=True, stages=1)),  # 16-bit state, 512 pairs
+    (31, 32, BF16, BF16, DecodeLaunch("tma", 32, 4, pdl=True, stages=1)),  # 992 pairs
+    (32, 32, BF16, BF16, DecodeLaunch("tma", 32, 1, stages=1, matvec_tc=True)),  # 1024: tensor-core mat-vecs
+    (64, 32, F16, F16, DecodeLaunch("tma", 32, 1, stages=1, matvec_tc=True)),
+    (127, 32, BF16, BF16, DecodeLaunch("tma", 32, 1, stages=1, matvec_tc=True)),
+    (128, 32, BF16, BF16, DecodeLaunch("tma", 64, 2, stages=1, matvec_tc=True)),  # 4096 pairs
+    (256, 32, BF16, BF16, DecodeLaunch("tma", 64, 2, stages=1, matvec_tc=True)),
+    (512, 64, BF16, BF16, DecodeLaunch("tma", 64, 2, stages=1, matvec_tc=True)),
     (64, 32, BF16, F32, DecodeLaunch("tma", 32, 2, stages=2, max_regs=168)),  # fp32 ring: the FMA mat-vecs
     (256, 32, BF16, F32, DecodeLaunch("replay", 16)),                    # 8192 pairs: replay wins
     (4, 32, BF16, BF16, DecodeLaunch("fused", 32)),

@@ -17,7 +17,7 @@ padded ring entries; bf16 only on a GPU, whose dots the interpreter gets wrong);
 (tma) caps the main kernel's registers per thread (Triton's `maxnreg`), trading a few spills for
 more programs per SM.
 
-`DECODE_TABLE` is the table from the H200 sweeps of 2026-12-01 and 2026-12-02 (Triton 3.6, K =
+`DECODE_TABLE` is the table from the H200 sweeps of 2026-12-01 to 2026-12-03 (Triton 3.6, K =
 V = 128, L = 16, bf16 activations; docs/kernels.md has the measurements). Its rows are tried in
 order and the first that matches wins; "pairs" = rows x value heads, scaled by SMs / 132. A row
 whose launch has `flush_tc` matches only where the tensor-core flush can run, a tma row only
@@ -136,18 +136,18 @@ def _tma(bv, w, stages, pdl=False, regs=0, mv=False):
 
 _INF = math.inf
 DECODE_TABLE = (
-    # Hopper: the persistent TMA form (its rows match only where it can run). From 512 pairs
-    # it beat every Triton form for an fp32 state (0.94-0.98 of the replay roofline at batch
-    # 512). The register cap (r96) lets an SM hold 5 programs instead of 4: 1.00-1.09x the same
-    # launch uncapped in the table run of 2026-12-02 04:00.
-    TableRow("fp32", "any", 2048, _INF, _tma(32, 4, 2)),
-    TableRow("fp32", "any", 512, 2048, _tma(32, 4, 1, regs=96)),
-    # A 16-bit state with a 16-bit ring: from 2048 pairs the tensor-core mat-vecs (_mv) beat
-    # every other form, 1.00-1.30x the best of them in the sweep of 2026-12-02 18:00 (more value
-    # rows per warp win as the launch grows).
-    TableRow("16-bit", "16-bit", 16384, _INF, _tma(128, 4, 2, mv=True)),
-    TableRow("16-bit", "16-bit", 4096, 16384, _tma(64, 1, 2, mv=True)),
-    TableRow("16-bit", "16-bit", 2048, 4096, _tma(32, 1, 3, mv=True)),
+    # Hopper: the persistent TMA form (its rows match only where it can run). One stage per
+    # program wins from 512 pairs: more programs per SM hide the per-tile small loads that
+    # bind this kernel (Nsight Compute: long-scoreboard stalls), where more stages only add
+    # copies in flight. fp32 state: bv16_w2_s1 0.99-1.03x the previous picks (bv32_w4_s2,
+    # bv32_w4_s1_r96) in the table run of 2026-12-03, up to 16384 pairs; above, bv32_w4_s2 stays.
+    TableRow("fp32", "any", 16384, _INF, _tma(32, 4, 2)),
+    TableRow("fp32", "any", 512, 16384, _tma(16, 2, 1)),
+    # A 16-bit state with a 16-bit ring: the tensor-core mat-vecs (_mv), one stage, from 1024
+    # pairs: 1.02-1.15x the two- and three-stage _mv launches and tma_bv32_w4_pdl_s1 in the
+    # table run of 2026-12-03 (below 1024 pairs tma_bv32_w4_pdl_s1 stays ahead).
+    TableRow("16-bit", "16-bit", 4096, _INF, _tma(64, 2, 1, mv=True)),
+    TableRow("16-bit", "16-bit", 1024, 4096, _tma(32, 1, 1, mv=True)),
     TableRow("16-bit", "any", 2048, 8192, _tma(32, 2, 2, regs=168)),
     TableRow("16-bit", "any", 512, 2048, _tma(32, 4, 1, pdl=True)),
     # Large launches: the replay-vector form's main kernel runs at 62-82% of DRAM bandwidth

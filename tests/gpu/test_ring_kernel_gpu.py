@@ -239,6 +239,8 @@ CASES = [
     ("k64_gqa4_bf16_tma_bv64_w4_s2_L24", 1, 4, 64, 64, 24, BF16, BF16, D("tma", 64, 4, stages=2)),
     ("gqa2_fp32_tma_pdl_bv32_w4_s2", 2, 4, 128, 128, 16, F32, F32, D("tma", 32, 4, pdl=True, stages=2)),
     ("gqa4_bf16_tma_pdl_bv16_w4_s1", 2, 8, 128, 128, 16, BF16, BF16, D("tma", 16, 4, pdl=True, stages=1)),
+    ("gqa2_fp32_tma_bv16_w2_s1", 2, 4, 128, 128, 16, F32, F32, D("tma", 16, 2, stages=1)),
+    ("gqa4_fp32_bf16ring_tma_bv16_w2_s1_L24", 2, 8, 128, 128, 24, F32, BF16, D("tma", 16, 2, stages=1)),
     # a register cap (the compiler spills what does not fit)
     ("gqa2_bf16_tma_bv32_w2_s2_r128", 2, 4, 128, 128, 16, BF16, BF16, D("tma", 32, 2, stages=2, max_regs=128)),
     ("gqa4_fp32_bf16ring_tma_bv32_w4_s2_r96_L24", 2, 8, 128, 128, 24, F32, BF16,
@@ -254,6 +256,8 @@ CASES = [
      D("tma", 128, 8, pdl=True, stages=1, matvec_tc=True)),
     ("gqa2_bf16_tma_bv32_w2_s2_r96_mv", 2, 4, 128, 128, 16, BF16, BF16,
      D("tma", 32, 2, stages=2, max_regs=96, matvec_tc=True)),
+    ("gqa2_bf16_tma_bv32_w1_s1_mv", 2, 4, 128, 128, 16, BF16, BF16, D("tma", 32, 1, stages=1, matvec_tc=True)),
+    ("gqa3_fp16_tma_bv64_w2_s1_mv_L12", 2, 6, 128, 128, 12, F16, F16, D("tma", 64, 2, stages=1, matvec_tc=True)),
 ]
 
 TWO_PHASE_PDL = D("two_phase", 8, pdl=True)
