@@ -48,6 +48,9 @@
 #     copied to DIR (e.g. `git archive COMMIT replayssm_patch/_vendored`) as a baseline arm, then
 #     the verify kernel benchmark; to $OUT/kernel_decode{,_fp32ring}.{json,md}, kernel_spec.{json,md}
 #   bash benchmarks/gpu_run.sh probe      # what imports for Hopper kernel work, to $OUT/gpu_probe.json
+#   bash benchmarks/gpu_run.sh ncu BATCH STATE LAUNCH [HV]   # Nsight Compute (speed of light, occupancy,
+#     stall reasons) of our kernels in profile_decode.py's second call of LAUNCH (HV 32: Qwen3-Next), to
+#     $OUT/ncu_STATE_bBATCH_LAUNCH.txt (needs vltree)
 #   bash benchmarks/gpu_run.sh fiinstall  # unpack FlashInfer + CuTe DSL (.bundle/fi/flashinfer.tar.xz.NN from
 #     benchmarks/make_flashinfer_bundle.sh, staged like the vLLM parts) to /tmp/fi-site, which every
 #     step then finds on PYTHONPATH; `kbench --flashinfer` times it beside ours and vLLM's
@@ -163,6 +166,15 @@ case "${1:?step}" in
       2>&1 | tail -30 || rc=1
     python3 benchmarks/kernel_spec.py --vllm-root /tmp/vl --out-dir "$OUT" 2>&1 | tail -20 || rc=1
     exit $rc ;;
+  ncu)
+    b=${2:?batch}; st=${3:?state}; l=${4:?launch}; hv=${5:-32}
+    case $l in fused_*) per=1 ;; *) per=2 ;; esac  # our kernels per call: skip the first call's
+    ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section SchedulerStats --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      -k 'regex:^_(ring|tma|replay|fused)' --launch-skip $per --launch-count $per \
+      python3 benchmarks/profile_decode.py --vllm-root /tmp/vl --hv "$hv" --batch "$b" --state "$st" --launches "$l" \
+      > "$OUT/ncu_${st}_b${b}_${l}.txt" 2>&1
+    grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|long_scoreboard" "$OUT/ncu_${st}_b${b}_${l}.txt" ;;
   probe)
     python3 benchmarks/gpu_probe.py --out "$OUT/gpu_probe.json" ;;
   mtpprof)
