@@ -369,6 +369,14 @@ def copy_bandwidth():
     return 2 * n * 4 / t  # bytes read + written per second
 
 
+def launch_arg(name: str) -> DecodeLaunch:
+    """A launch named on the command line (argparse reports a bad name as a usage error)."""
+    try:
+        return DecodeLaunch.from_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def swept(args, state_dtype):
     """The launches this run times for a state dtype beside the table's pick: SWEEP, or the
     --sweep-only launches (any valid name, in SWEEP or not); none with --no-sweep. Tensor-core
@@ -376,7 +384,7 @@ def swept(args, state_dtype):
     if not args.sweep:
         return []
     tma = tma_capable(torch.device("cuda", torch.cuda.current_device()))
-    launches = SWEEP if args.sweep_only is None else [DecodeLaunch.from_name(n) for n in args.sweep_only]
+    launches = SWEEP if args.sweep_only is None else args.sweep_only
     return [c for c in launches if not (c.flush_tc and RING_DTYPE == torch.float32) and (tma or c.form != "tma")
             and not (c.matvec_tc and state_dtype == torch.float32)]
 
@@ -747,7 +755,7 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--ring-dtype", choices=["bf16", "fp32"], default="bf16",
                     help="ring d/k dtype (the integration uses fp32 rings for fp32 states by default)")
-    ap.add_argument("--sweep-only", nargs="*", default=None, metavar="NAME",
+    ap.add_argument("--sweep-only", nargs="*", default=None, metavar="NAME", type=launch_arg,
                     help="time these launches (DecodeLaunch.name, in SWEEP or not) instead of SWEEP beside "
                          "the table's pick")
     ap.add_argument("--baseline", default=None, metavar="DIR",
@@ -762,11 +770,6 @@ def main(argv=None):
                          "file's sweep and rewrite it and its .md")
     ap.add_argument("--note", default=None, help="with --rescore: a note to keep in the results")
     args = ap.parse_args(argv)
-    for name in args.sweep_only or ():
-        try:
-            DecodeLaunch.from_name(name)
-        except ValueError as e:
-            ap.error(f"--sweep-only: {e}")
     global RING_DTYPE
     RING_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.ring_dtype]
     if args.rescore:

@@ -235,7 +235,7 @@ def test_kernel_sweep_only_takes_any_launch_and_refuses_a_bad_name(capsys, monke
     with pytest.raises(SystemExit):
         mod.main(["--sweep-only", "tma_bv32_w1_s2_mv", "not_a_launch"])
     assert "--sweep-only" in capsys.readouterr().err
-    args = types.SimpleNamespace(sweep=True, sweep_only=["tma_bv32_w1_s2_mv", "fused_bv8_w1"])
+    args = types.SimpleNamespace(sweep=True, sweep_only=[mod.launch_arg(n) for n in ("tma_bv32_w1_s2_mv", "fused_bv8_w1")])
     names = [c.name for c in mod.swept(args, mod.torch.bfloat16)]
     assert names == ["tma_bv32_w1_s2_mv", "fused_bv8_w1"]  # outside SWEEP: timed, not dropped
     assert all(not c.matvec_tc for c in mod.swept(args, mod.torch.float32))
