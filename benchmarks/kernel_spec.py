@@ -34,6 +34,15 @@ conv + SSM state): native keeps 1+T pages, ours one page plus the ring.
 
 Writes <out-dir>/kernel_spec.json (with `summary.speedup_b256_t8` and
 `summary.gdn_cache_bytes_ratio_t7`) and <out-dir>/kernel_spec.md.
+
+`--flashinfer` (issue 23) instead times FlashInfer's ReplaySSM MTP kernel
+(`gated_delta_rule_mtp_ucache_flush`: verify, with a fold of a full ring into the checkpoint
+in the same launch; its own 32-slot rings and per-row cursors, committed by the caller after
+each window) beside ours and native in one rotation, with the state, activations and rings
+all bf16 (the only state it takes) at its native windows of 4 and 8 tokens, batch 16 / 64 /
+256; first a two-window sanity check of all three from one state. Writes
+<out-dir>/kernel_spec_flashinfer.{json,md}; a FlashInfer that does not import is recorded as
+the reason.
 """
 
 from __future__ import annotations
@@ -74,6 +83,9 @@ VERIFY_LAUNCH = None  # a VerifyLaunch for ring_verify's main kernel; None: its 
 SWEEP_LAUNCHES = [VerifyLaunch(bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4))]
 SWEEP_CELLS = [(8, 256), (8, 64), (4, 16)]  # (T, batch)
 CONV_KERNEL = 4
+FI_RING_SLOTS = 32  # FlashInfer's ucache rings (a window of <= 16 live entries)
+FI_WINDOWS = (4, 8)  # the ucache kernels' native windows (T + 1 tokens: T = 3 and 7 drafts)
+FI_BATCHES = (16, 64, 256)
 NATIVE_FILE = os.path.join("vllm", "third_party", "flash_linear_attention", "ops", "fused_sigmoid_gating.py")
 
 
@@ -126,7 +138,7 @@ def load_native(vllm_root: str | None):
 class Layer:
     """One layer's inputs for B requests x W tokens, our checkpoint + ring, native's 1+T slots."""
 
-    def __init__(self, B, T, gen, dev, ours=True, native=True, shape=(H, HV, HEAD)):
+    def __init__(self, B, T, gen, dev, ours=True, native=True, shape=(H, HV, HEAD), fi=False):
         h, hv, kd = shape
         self.h, self.hv, self.kd = h, hv, kd
         W = T + 1
@@ -159,12 +171,36 @@ class Layer:
             self.nstate = torch.zeros(slots, hv, kd, kd, dtype=STATE_DTYPE, device=dev)
             self.nidx = torch.arange(1, slots, dtype=torch.int32, device=dev).view(B, W)
             self.nstate[self.nidx[:, 0].long()] = s0.to(STATE_DTYPE)
+        if fi:  # FlashInfer's ucache pair: checkpoint + its own 32-slot rings, per-row cursors
+            self.fstate = torch.zeros(B + 1, hv, kd, kd, dtype=STATE_DTYPE, device=dev)
+            self.fstate[1:] = s0.to(STATE_DTYPE)
+            self.fidx = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
+            self.k_cache = torch.zeros(B + 1, h, FI_RING_SLOTS, kd, dtype=ACT_DTYPE, device=dev)
+            self.u_cache = torch.zeros(B + 1, hv, FI_RING_SLOTS, kd, dtype=ACT_DTYPE, device=dev)
+            self.g_cache = torch.zeros(B + 1, hv, FI_RING_SLOTS, dtype=torch.float32, device=dev)
+            self.hist_len = torch.zeros(B, dtype=torch.int32, device=dev)
+            self.cache_base = torch.zeros(B, dtype=torch.int32, device=dev)
+            self.fq, self.fk = self.q.view(B, W, h, kd), self.k.view(B, W, h, kd)
+            self.fv = self.v.view(B, W, hv, kd)
+            self.fa, self.fb = self.a.view(B, W, hv), self.b.view(B, W, hv)
+            self.fout = torch.empty(B, W, hv, kd, dtype=ACT_DTYPE, device=dev)
 
     def ours(self, acc):
         with override_launch(verify=VERIFY_LAUNCH):
             ring_verify(self.qkv, self.a, self.b, self.A_log, self.dt_bias, self.kd ** -0.5, self.state, self.out,
                         self.idx, self.cu, self.ring_d, self.ring_k, self.ring_g, self.cursor, acc, self.W)
         return self.out
+
+    def flashinfer(self, fn, commit):
+        """One window through `gated_delta_rule_mtp_ucache_flush` (verify; a row whose ring
+        holds >= 16 - W + 1 entries folds it into its checkpoint first and restarts it), then
+        the caller-owned commit of `commit` accepted tokens (its rows' ring length += commit)."""
+        fn(self.A_log, self.fa, self.dt_bias, q=self.fq, k=self.fk, v=self.fv, b=self.fb,
+           initial_state_source=self.fstate, initial_state_indices=self.fidx, scale=self.kd ** -0.5,
+           output=self.fout, k_cache=self.k_cache, u_cache=self.u_cache, g_cache=self.g_cache,
+           hist_len=self.hist_len, cache_base=self.cache_base, restart_hist_on_flush=True)
+        self.hist_len.add_(commit)
+        return self.fout
 
     def native(self, fn, acc):
         o, _ = fn(A_log=self.A_log, a=self.a, b=self.b, dt_bias=self.dt_bias, q=self.q, k=self.k, v=self.v,
@@ -385,6 +421,105 @@ def sweep(native_fn, dev, out_dir):
                    "device": torch.cuda.get_device_name(0), "rows": rows}, f, indent=1)
 
 
+def load_flashinfer():
+    """(FlashInfer's `gated_delta_rule_mtp_ucache_flush`, its version), or (None, why not)."""
+    try:
+        import flashinfer
+        from flashinfer.gdn_kernels.gdn_decode_bf16_wy_ucache_flush import gated_delta_rule_mtp_ucache_flush
+    except Exception as e:  # reported, not fatal: the other arms still run
+        return None, f"{type(e).__name__}: {e}"
+    return gated_delta_rule_mtp_ucache_flush, getattr(flashinfer, "__version__", "unknown")
+
+
+def flashinfer_sanity(native_fn, fi_fn, dev, B=4, T=3):
+    """Two windows from the same state through the three arms (the second after mixed
+    accepted counts): each arm's relative output difference from native's."""
+    gen = torch.Generator(device=dev).manual_seed(7)
+    lay = Layer(B, T, gen, dev, fi=True)
+    accs = [torch.ones(B, dtype=torch.int32, device=dev),
+            torch.tensor([1, T + 1, 2, T][:B] + [1] * max(0, B - 4), dtype=torch.int32, device=dev)]
+    worst = {"ours": 0.0, "flashinfer": 0.0}
+    for step, acc in enumerate(accs):
+        if step:  # new inputs for the second window (FlashInfer's q/k/v/a/b are views of these)
+            for t in (lay.qkv, lay.a, lay.b):
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev).to(t.dtype))
+            q, k, v = torch.split(lay.qkv, [lay.h * lay.kd, lay.h * lay.kd, lay.hv * lay.kd], dim=-1)
+            lay.q.copy_(q.reshape(lay.q.shape))
+            lay.k.copy_(k.reshape(lay.k.shape))
+            lay.v.copy_(v.reshape(lay.v.shape))
+        o_nat = lay.native(native_fn, acc).float().reshape(lay.out.shape).clone()
+        outs = {"ours": lay.ours(acc).float().clone(),
+                # its commit comes after the call: the next window's accepted count
+                "flashinfer": lay.flashinfer(fi_fn, accs[min(step + 1, len(accs) - 1)]).float().reshape(lay.out.shape)}
+        for name, o in outs.items():
+            worst[name] = max(worst[name], float((o - o_nat).norm() / o_nat.norm()))
+    return worst
+
+
+def flashinfer_run(native_fn, info, dev, out_dir, command):
+    """Issue 23: FlashInfer's ReplaySSM MTP kernel beside ours and vLLM's, bf16 state (the
+    only state it takes), windows of 4 and 8 tokens (its native ones), in one rotation."""
+    fi_fn, fi_version = load_flashinfer()
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "native": info,
+           "flashinfer": fi_version if fi_fn else None, "shape": {"H": H, "HV": HV, "K": HEAD, "V": HEAD},
+           "state": "bf16", "ring_ours": f"bf16, L={L}", "ring_flashinfer": f"bf16, {FI_RING_SLOTS} slots",
+           "steps_per_graph": STEPS, "replays": REPLAYS, "command": command, "cells": []}
+    if fi_fn is None:
+        res["flashinfer_unavailable"] = fi_version
+        print("FlashInfer unavailable:", fi_version, flush=True)
+    else:
+        res["sanity_rel_diff_vs_native"] = flashinfer_sanity(native_fn, fi_fn, dev)
+        print("sanity (rel diff vs native):", res["sanity_rel_diff_vs_native"], flush=True)
+        for W in FI_WINDOWS:
+            T = W - 1
+            for B in FI_BATCHES:
+                gen = torch.Generator(device=dev).manual_seed(B * 100 + T)
+                nl = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / bytes_per_layer(B, T, "ours"))))
+                nl_n = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / bytes_per_layer(B, T, "native"))))
+                arms = {"ours": [Layer(B, T, gen, dev, native=False) for _ in range(nl)],
+                        "native": [Layer(B, T, gen, dev, ours=False) for _ in range(nl_n)],
+                        "flashinfer": [Layer(B, T, gen, dev, ours=False, native=False, fi=True) for _ in range(nl)]}
+                table = acceptance_table(B, T, STEPS, seed=B + T, mode="uniform", dev=dev)
+                calls = {"ours": lambda lay, acc: lay.ours(acc),
+                         "native": lambda lay, acc: lay.native(native_fn, acc),
+                         "flashinfer": lambda lay, acc: lay.flashinfer(fi_fn, acc)}
+                graphs = {k: (_capture(arm_steps(arms[k], table, calls[k])), len(arms[k])) for k in arms}
+                med = median_us(graphs, REPLAYS)
+                cell = {"window": W, "T": T, "B": B, **{f"us_{k}": v for k, v in med.items()},
+                        "flashinfer_over_ours": med["flashinfer"] / med["ours"],
+                        "native_over_ours": med["native"] / med["ours"],
+                        "native_over_flashinfer": med["native"] / med["flashinfer"],
+                        "finite": bool(all(torch.isfinite(lay.fout.float()).all() for lay in arms["flashinfer"])
+                                       and all(torch.isfinite(lay.out.float()).all() for lay in arms["ours"]))}
+                res["cells"].append(cell)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in cell.items()}), flush=True)
+                graphs.clear(), arms.clear()
+                torch.cuda.empty_cache()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "kernel_spec_flashinfer.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = ["# Speculative verify, bf16 state: ours vs vLLM native vs FlashInfer's ucache MTP kernel", "",
+             f"{res['device']}, torch {res['torch']}, native from vLLM {info['vllm_version']}, FlashInfer "
+             f"{res['flashinfer']}; H={H}, HV={HV}, K=V={HEAD}; bf16 state, activations and rings (ours L={L}, "
+             f"FlashInfer {FI_RING_SLOTS} slots, lazy flush); CUDA graphs, median of {REPLAYS} replays of {STEPS} "
+             "steps; us per layer-step. Accepted counts uniform in 1..window.", ""]
+    if fi_fn is None:
+        lines.append(f"FlashInfer unavailable: {fi_version}")
+    else:
+        lines += [f"Sanity (two windows from one state, relative output difference from native): "
+                  f"{res['sanity_rel_diff_vs_native']}", "",
+                  "| window | batch | native | ours | FlashInfer | native / ours | native / FlashInfer | FlashInfer / ours |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in res["cells"]:
+            lines.append(f"| {c['window']} | {c['B']} | {c['us_native']:.1f} | {c['us_ours']:.1f} | "
+                         f"{c['us_flashinfer']:.1f} | {c['native_over_ours']:.2f} | {c['native_over_flashinfer']:.2f} | "
+                         f"{c['flashinfer_over_ours']:.2f} |")
+    lines += ["", f"Command: `{command}`"]
+    with open(os.path.join(out_dir, "kernel_spec_flashinfer.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def write_results(res, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "kernel_spec.json"), "w") as f:
@@ -456,6 +591,9 @@ def main(argv=None):
                     help="the main kernel's launch (default: VerifyLaunch())")
     ap.add_argument("--sweep", action="store_true",
                     help="time the main kernel's launches at a few cells, then stop")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="bf16 state: FlashInfer's ucache MTP kernel beside ours and native at windows of 4 and 8 "
+                         "tokens, to kernel_spec_flashinfer.{json,md}, then stop")
     ap.add_argument("--profile", action="store_true",
                     help="device time per kernel and the memory roofline at T=8/B=256 and T=4/B=16, then stop")
     args = ap.parse_args(argv)
@@ -474,6 +612,12 @@ def main(argv=None):
 
     t0 = time.time()
     dev = "cuda"
+    command = "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:]))
+    if args.flashinfer:
+        global STATE_DTYPE, RING_DTYPE
+        STATE_DTYPE = RING_DTYPE = torch.bfloat16  # the only state the ucache kernels take
+        flashinfer_run(native_fn, info, dev, args.out_dir, command)
+        return 0
     err = sanity(native_fn, dev)
     if args.sweep:
         sweep(native_fn, dev, args.out_dir)
@@ -501,7 +645,7 @@ def main(argv=None):
         "summary": {"speedup_b256_t8": pick["speedup"], "speedup_b256_t8_all_accepted": pick["speedup_all_accepted"],
                     **cache_summary()},
         "seconds": round(time.time() - t0, 1),
-        "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
+        "command": command,
     }
     write_results(res, args.out_dir)
     print(json.dumps(res["summary"]))

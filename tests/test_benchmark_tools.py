@@ -183,6 +183,33 @@ def test_kernel_flashinfer_missing_is_a_reason_not_a_crash(monkeypatch):
     assert fn is None and "ModuleNotFoundError" in why and "flashinfer" in why
 
 
+def test_spec_flashinfer_arm_wiring_and_missing_module(monkeypatch):
+    """kernel_spec --flashinfer: a missing FlashInfer is a reason; the arm's buffers follow the
+    ucache kernels' contract (32-slot rings per pool slot, [B, W, ...] views of the same
+    inputs) and each call is followed by the caller-owned commit."""
+    pytest.importorskip("triton")
+    import sys
+
+    import torch
+
+    mod = _load("kernel_spec")
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    fn, why = mod.load_flashinfer()
+    assert fn is None and "ModuleNotFoundError" in why
+    B, T, (h, hv, kd) = 3, 3, (2, 4, 32)
+    lay = mod.Layer(B, T, torch.Generator().manual_seed(0), "cpu", ours=False, native=False, fi=True, shape=(h, hv, kd))
+    assert tuple(lay.k_cache.shape) == (B + 1, h, 32, kd) and tuple(lay.u_cache.shape) == (B + 1, hv, 32, kd)
+    assert tuple(lay.g_cache.shape) == (B + 1, hv, 32) and lay.g_cache.dtype == torch.float32
+    assert torch.equal(lay.fq.reshape(B * (T + 1), h, kd), lay.q[0]) and torch.equal(lay.fv[1, 2], lay.v[0, T + 1 + 2])
+    assert lay.fstate[1:].abs().sum() > 0 and not lay.fstate[0].any()  # checkpoints from slot 1, as ours
+    calls = []
+    lay.flashinfer(lambda *a, **kw: calls.append(kw), torch.tensor([1, 4, 2], dtype=torch.int32))
+    lay.flashinfer(lambda *a, **kw: calls.append(kw), torch.tensor([2, 1, 1], dtype=torch.int32))
+    assert lay.hist_len.tolist() == [3, 5, 3]
+    assert calls[0]["restart_hist_on_flush"] and calls[0]["hist_len"] is lay.hist_len
+    assert calls[0]["initial_state_indices"].tolist() == [1, 2, 3]
+
+
 def test_kernel_baseline_loads_either_package_layout(tmp_path):
     pytest.importorskip("triton")
     import shutil
