@@ -185,6 +185,15 @@ class Layer:
             self.fa, self.fb = self.a.view(B, W, hv), self.b.view(B, W, hv)
             self.fout = torch.empty(B, W, hv, kd, dtype=ACT_DTYPE, device=dev)
 
+    def redraw_inputs(self, gen):
+        """Fresh random inputs in place (the split copies follow the packed qkv)."""
+        for t in (self.qkv, self.a, self.b):
+            t.copy_(torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype))
+        q, k, v = torch.split(self.qkv, [self.h * self.kd, self.h * self.kd, self.hv * self.kd], dim=-1)
+        self.q.copy_(q.reshape(self.q.shape))
+        self.k.copy_(k.reshape(self.k.shape))
+        self.v.copy_(v.reshape(self.v.shape))
+
     def ours(self, acc):
         with override_launch(verify=VERIFY_LAUNCH):
             ring_verify(self.qkv, self.a, self.b, self.A_log, self.dt_bias, self.kd ** -0.5, self.state, self.out,
@@ -251,12 +260,7 @@ def sanity(native_fn, dev, B=4, T=3, shape=(H, HV, HEAD)):
     for step, acc in enumerate([torch.ones(B, dtype=torch.int32, device=dev),
                                 torch.tensor([1, T + 1, 2, T][:B] + [1] * max(0, B - 4), dtype=torch.int32, device=dev)]):
         if step:  # new inputs for the second window
-            for t in (lay.qkv, lay.a, lay.b):
-                t.copy_(torch.randn(t.shape, generator=gen, device=dev).to(t.dtype))
-            q, k, v = torch.split(lay.qkv, [lay.h * lay.kd, lay.h * lay.kd, lay.hv * lay.kd], dim=-1)
-            lay.q.copy_(q.reshape(lay.q.shape))
-            lay.k.copy_(k.reshape(lay.k.shape))
-            lay.v.copy_(v.reshape(lay.v.shape))
+            lay.redraw_inputs(gen)
         o_ours = lay.ours(acc).float().clone()
         o_nat = lay.native(native_fn, acc).float().reshape(o_ours.shape)
         err = float((o_ours - o_nat).norm() / o_nat.norm())
@@ -441,12 +445,7 @@ def flashinfer_sanity(native_fn, fi_fn, dev, B=4, T=3):
     worst = {"ours": 0.0, "flashinfer": 0.0}
     for step, acc in enumerate(accs):
         if step:  # new inputs for the second window (FlashInfer's q/k/v/a/b are views of these)
-            for t in (lay.qkv, lay.a, lay.b):
-                t.copy_(torch.randn(t.shape, generator=gen, device=dev).to(t.dtype))
-            q, k, v = torch.split(lay.qkv, [lay.h * lay.kd, lay.h * lay.kd, lay.hv * lay.kd], dim=-1)
-            lay.q.copy_(q.reshape(lay.q.shape))
-            lay.k.copy_(k.reshape(lay.k.shape))
-            lay.v.copy_(v.reshape(lay.v.shape))
+            lay.redraw_inputs(gen)
         o_nat = lay.native(native_fn, acc).float().reshape(lay.out.shape).clone()
         outs = {"ours": lay.ours(acc).float().clone(),
                 # its commit comes after the call: the next window's accepted count

@@ -21,7 +21,7 @@ OptionError = _options.OptionError
 
 def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict: bool = False,
           ring_dtype: str = "auto", allow_16bit_state: bool = False, allow_mtp_cuda: bool = False,
-          min_batch: int | str = "auto") -> dict:
+          min_batch: int | str = "auto", mtp_kernel: str = "triton") -> dict:
     """Turn ReplaySSM GDN decode on (or off) for this process and the vLLM processes it starts.
 
     enable: True to serve decode through the ring, False to keep vLLM native.
@@ -45,6 +45,11 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         measured table (`replayssm_patch.dispatch`): on CUDA the ring from batch 1 for an fp32
         state and from 256 for a 16-bit one; on CPU never (plain decode stays native and the
         ring is not allocated; any integer serves it from that batch size).
+    mtp_kernel: the speculative verify kernel on CUDA (with `allow_mtp_cuda`): "triton" (default,
+        ours) or "flashinfer" (FlashInfer's ReplaySSM MTP kernel writing the same rings: 2.3-5.0x
+        ours in the H200 kernel benchmark; bf16 state, num_speculative_tokens 3 or 7, Hopper or
+        newer, flashinfer-python with nvidia-cutlass-dsl installed; a config it cannot serve
+        stays native with the reason logged). Tested at the kernel level, not yet end to end.
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """
@@ -62,6 +67,7 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         allow_16bit_state=allow_16bit_state,
         allow_mtp_cuda=allow_mtp_cuda,
         min_batch=_options.check_min_batch("min_batch", min_batch),
+        mtp_kernel=_options.check_mtp_kernel("mtp_kernel", mtp_kernel),
     )
     os.environ.update(opts.to_env())  # vLLM's child processes inherit the environment
     _options.declare_to_vllm()

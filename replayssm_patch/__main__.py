@@ -59,6 +59,7 @@ def doctor(argv: list[str]) -> int:
             # (VLLM_GDN_REPLAYSSM_MTP_CUDA defaults to off: MTP on CUDA stays native unless =1)
             allow_16bit_state=env_opts.allow_16bit_state,
             allow_mtp_cuda=env_opts.allow_mtp_cuda,
+            mtp_kernel=env_opts.mtp_kernel,
             min_batch=(opts_mod.check_min_batch("--min-batch", args.min_batch) if args.min_batch is not None
                        else env_opts.min_batch),
         )

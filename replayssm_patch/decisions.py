@@ -65,7 +65,7 @@ def current_plan(vllm_config):
         if plan.spec_tokens and options.allow_mtp_cuda and platform() == "cuda":
             log_once(logging.INFO, f"replayssm_patch: MTP speculative decoding (T={plan.spec_tokens}) "
                      "goes through the ring on CUDA, one state slot per request "
-                     "(opted in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1)")
+                     f"(opted in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1), verify kernel: {plan.verify_kernel}")
         when = "every speculative step" if plan.spec_tokens else f"plain decode steps of >= {plan.min_batch} rows"
         log_once(logging.INFO, f"replayssm_patch: {arch} GDN layers decode through the ring "
                  f"(L={plan.ring_len}, ring {plan.ring_dtype}, state {plan.state_dtype}, {when}, "

@@ -37,6 +37,9 @@ class RingCall:
     scale: float
     spec_window: int = 0  # T+1 with speculative decoding on the ring, else 0
     native_decode: bool = False  # this step's plain decode rows run vLLM's kernel (dispatch)
+    # FlashInfer's verify kernel serves this step (the plan chose it and every spec row has
+    # exactly spec_window tokens); otherwise ours
+    flashinfer_verify: bool = False
 
 
 _active: RingCall | None = None
@@ -129,7 +132,8 @@ def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading, numer
     out = torch.empty((*leading, hv, vdim), dtype=q.dtype, device=q.device)
     kernels.spec_verify(pack_qkv(q, p["k"], p["v"]), p["a"][:n].contiguous(), p["b"][:n].contiguous(),
                         p["A_log"], p["dt_bias"], call.scale, state, out.view(n, hv, vdim), slots,
-                        cu.contiguous(), call.ring, num_accepted, call.spec_window, numerics=numerics)
+                        cu.contiguous(), call.ring, num_accepted, call.spec_window, numerics=numerics,
+                        flashinfer=call.flashinfer_verify)
     return out
 
 
@@ -247,8 +251,10 @@ def run_with_ring(layer, md, state_for_kernels, native_call):
         kernels.commit(ring, md.ring_commit_slots, md.ring_commit_accepted)
     if md.ring_prefill_flush_slots is not None:
         kernels.materialize(state_for_kernels, ring, md.ring_prefill_flush_slots)
+    plan = layer.ring_plan
     call = RingCall(layer.kv_cache[1].data_ptr(), ring, md.ring_force_flush, md.ring_start_empty,
-                    layer.head_k_dim ** -0.5, layer.ring_plan.spec_window, native_decode=not md.ring_decode)
+                    layer.head_k_dim ** -0.5, plan.spec_window, native_decode=not md.ring_decode,
+                    flashinfer_verify=plan.verify_kernel == "flashinfer" and _uniform_windows(md, plan.spec_window))
     with ring_call(call):
         result = native_call()
     if md.ring_prefill_slots is not None:
@@ -256,6 +262,14 @@ def run_with_ring(layer, md, state_for_kernels, native_call):
         if shadow.enabled():
             shadow.sync_slots(ring, _cpu_kv_view(layer), md.ring_prefill_slots)
     return result
+
+
+def _uniform_windows(md, window: int) -> bool:
+    """Whether every speculative row of this step has exactly `window` tokens (host metadata:
+    vLLM >= 0.33 records it, 0.32 has the token and row counts)."""
+    if hasattr(md, "uniform_spec_sequence_length"):
+        return md.uniform_spec_sequence_length == window
+    return bool(md.num_spec_decodes) and md.num_spec_decode_tokens == md.num_spec_decodes * window
 
 
 def _cpu_kv_view(layer) -> torch.Tensor:

@@ -95,10 +95,12 @@ def reset(ring, slots):
 # --------------------------------------------------------------------------------------------
 
 def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens, ring,
-                num_accepted, max_tokens, numerics: KernelNumerics = FLA_NUMERICS):
+                num_accepted, max_tokens, numerics: KernelNumerics = FLA_NUMERICS, flashinfer: bool = False):
     """One speculative step: commit each slot's previous window from `num_accepted`, then
     verify row i's tokens cu_seqlens[i]:cu_seqlens[i+1] (outputs for all of them) and keep
-    their entries as the slot's new pending window. `state_indices` [rows], one slot per row."""
+    their entries as the slot's new pending window. `state_indices` [rows], one slot per row.
+    `flashinfer`: every row has exactly `max_tokens` tokens and FlashInfer's kernel serves the
+    step (replayssm_patch.flashinfer_verify; CUDA only)."""
     # refused before anything is counted or run
     if state.is_cuda:
         _cuda_numerics(numerics)
@@ -107,6 +109,15 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     rows = int(state_indices.shape[0])
     counters["verify_calls"] += 1
     counters["verify_rows"] += rows
+    if flashinfer:
+        if not state.is_cuda or mixed_qkv.shape[0] != rows * max_tokens:
+            raise ValueError(f"FlashInfer's verify needs CUDA tensors and {rows} x {max_tokens} tokens "
+                             f"(got {mixed_qkv.shape[0]} on {state.device})")
+        from . import flashinfer_verify
+
+        counters["verify_flashinfer_calls"] += 1
+        return flashinfer_verify.verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ring,
+                                        num_accepted, max_tokens)
     if state.is_cuda:
         return lib.ring_verify(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,

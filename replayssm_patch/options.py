@@ -16,15 +16,17 @@ ENV_RING_DTYPE = "VLLM_GDN_REPLAYSSM_RING_DTYPE"
 ENV_16BIT_STATE = "VLLM_GDN_REPLAYSSM_16BIT_STATE"
 ENV_MTP_CUDA = "VLLM_GDN_REPLAYSSM_MTP_CUDA"
 ENV_MIN_BATCH = "VLLM_GDN_REPLAYSSM_MIN_BATCH"
+ENV_MTP_KERNEL = "VLLM_GDN_REPLAYSSM_MTP_KERNEL"
 # testing aids (replayssm_patch.shadow)
 ENV_SHADOW = "VLLM_GDN_REPLAYSSM_SHADOW"
 ENV_POISON = "VLLM_GDN_REPLAYSSM_POISON_UNUSED"
 ALL_ENV_VARS = (ENV_ENABLE, ENV_RING, ENV_STRICT, ENV_RING_DTYPE, ENV_16BIT_STATE, ENV_MTP_CUDA,
-                ENV_MIN_BATCH, ENV_SHADOW, ENV_POISON)
+                ENV_MIN_BATCH, ENV_MTP_KERNEL, ENV_SHADOW, ENV_POISON)
 
 DEFAULT_RING_LEN = 16
 MIN_RING_LEN, MAX_RING_LEN = 1, 64
 RING_DTYPES = ("auto", "activation", "float32")
+MTP_KERNELS = ("triton", "flashinfer")
 MAX_MIN_BATCH = 1 << 16
 
 _TRUE = ("1", "true", "yes", "on")
@@ -54,6 +56,10 @@ class Options:
     # Plain decode steps with fewer rows than this decode natively (vLLM's kernel, after the
     # rows' rings are flushed); "auto" takes the measured table of replayssm_patch.dispatch.
     min_batch: int | str = "auto"
+    # The speculative verify kernel on CUDA: "triton" (ours) or "flashinfer" (FlashInfer's
+    # ReplaySSM MTP kernel on the same rings: bf16 state, windows of 4 or 8 tokens, Hopper+;
+    # needs flashinfer-python and nvidia-cutlass-dsl). Kernel-tested only, not yet end to end.
+    mtp_kernel: str = "triton"
 
     def to_env(self) -> dict[str, str]:
         return {
@@ -64,6 +70,7 @@ class Options:
             ENV_16BIT_STATE: "1" if self.allow_16bit_state else "0",
             ENV_MTP_CUDA: "1" if self.allow_mtp_cuda else "0",
             ENV_MIN_BATCH: str(self.min_batch),
+            ENV_MTP_KERNEL: self.mtp_kernel,
         }
 
 
@@ -113,6 +120,13 @@ def check_ring_dtype(name: str, value: str) -> str:
     return v
 
 
+def check_mtp_kernel(name: str, value) -> str:
+    v = str(value).strip().lower()
+    if v not in MTP_KERNELS:
+        raise OptionError(f"{name}={value!r} is not accepted; accepted values: {', '.join(MTP_KERNELS)}")
+    return v
+
+
 def declare_to_vllm() -> None:
     """Tell vLLM that our variables are known: it warns about (or, with
     `fail_on_environ_validation`, refuses) every VLLM_* variable its own table lacks."""
@@ -151,4 +165,5 @@ def from_env(environ=None) -> Options:
         allow_16bit_state=parse_bool(ENV_16BIT_STATE, get(ENV_16BIT_STATE, "0")),
         allow_mtp_cuda=parse_bool(ENV_MTP_CUDA, get(ENV_MTP_CUDA, "0")),
         min_batch=check_min_batch(ENV_MIN_BATCH, get(ENV_MIN_BATCH, "auto")),
+        mtp_kernel=check_mtp_kernel(ENV_MTP_KERNEL, get(ENV_MTP_KERNEL, "triton")),
     )

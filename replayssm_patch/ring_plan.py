@@ -103,6 +103,7 @@ class RingPlan:
     state_dtype: torch.dtype  # the checkpoint (vLLM's SSM state)
     spec_tokens: int = 0  # T, vLLM's num_speculative_tokens (0: no speculative decoding)
     min_batch: int = 1  # plain decode steps with fewer rows decode natively (dispatch)
+    verify_kernel: str = "triton"  # the speculative verify step on CUDA: "triton" or "flashinfer"
 
     @property
     def spec_window(self) -> int:
@@ -229,8 +230,22 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
             reasons.append(f"ring kernel unavailable: {why}")
     elif not current_platform.is_cpu():
         reasons.append(f"platform {type(current_platform).__name__} (supported: CUDA, CPU)")
+    verify_kernel = "triton"
+    if not reasons and spec_tokens and platform == "cuda" and options.mtp_kernel == "flashinfer":
+        from . import flashinfer_verify
+
+        why = flashinfer_verify.why_not(state_dtype, ring_dtype_for(options.ring_dtype, state_dtype, mc.dtype),
+                                        K, V, spec_tokens + 1)
+        if why:
+            reasons.append(f"mtp_kernel='flashinfer' (VLLM_GDN_REPLAYSSM_MTP_KERNEL): FlashInfer's verify kernel {why}")
+        else:
+            verify_kernel = "flashinfer"
     if reasons:
         return None, reasons
     ring_dtype = ring_dtype_for(options.ring_dtype, state_dtype, mc.dtype)
     L = spec_ring_len(options.ring_len, spec_tokens)
-    return RingPlan(H // tp, HV // tp, K, V, L, ring_dtype, state_dtype, spec_tokens, min_batch), []
+    if verify_kernel == "flashinfer":
+        from .flashinfer_verify import RING_SLOTS
+
+        L = RING_SLOTS  # its ring tensors have exactly this many entries
+    return RingPlan(H // tp, HV // tp, K, V, L, ring_dtype, state_dtype, spec_tokens, min_batch, verify_kernel), []

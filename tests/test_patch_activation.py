@@ -28,6 +28,7 @@ if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
     ("VLLM_GDN_REPLAYSSM_RING_DTYPE", "int8"),
     ("VLLM_GDN_REPLAYSSM_16BIT_STATE", "x"),
     ("VLLM_GDN_REPLAYSSM_MTP_CUDA", "2"),
+    ("VLLM_GDN_REPLAYSSM_MTP_KERNEL", "cutlass"),
 ])
 def test_invalid_environment_values_name_the_variable(var, value):
     with pytest.raises(options.OptionError) as e:
@@ -52,12 +53,17 @@ def test_environment_defaults_and_values():
     blank = {name: " " for name in options.Options().to_env()}
     assert options.from_env(blank) == options.Options()
     assert not options.from_env({"VLLM_GDN_REPLAYSSM_MTP_CUDA": ""}).allow_mtp_cuda
+    # the verify kernel: ours unless FlashInfer's is asked for
+    assert options.from_env({}).mtp_kernel == "triton"
+    fi = options.from_env({"VLLM_GDN_REPLAYSSM_MTP_KERNEL": " FlashInfer "})
+    assert fi.mtp_kernel == "flashinfer" and options.from_env(fi.to_env()) == fi
 
 
 @pytest.mark.parametrize("kwargs,name", [
     ({"ring_len": 0}, "ring_len"), ({"ring_len": 100}, "ring_len"), ({"ring_len": 2.5}, "ring_len"),
     ({"enable": "yes"}, "enable"), ({"strict": 1}, "strict"), ({"ring_dtype": "fp8"}, "ring_dtype"),
     ({"allow_16bit_state": "no"}, "allow_16bit_state"), ({"allow_mtp_cuda": 1}, "allow_mtp_cuda"),
+    ({"mtp_kernel": "fi"}, "mtp_kernel"),
 ])
 def test_patch_rejects_bad_arguments_without_touching_anything(kwargs, name, monkeypatch):
     import replayssm_patch
@@ -504,3 +510,36 @@ def test_strict_mode_and_mtp_cuda_default(fake_cuda_mtp, monkeypatch, caplog):
         assert patching.current_plan(_mtp_config(3, **{"cache_config.mamba_cache_mode": "align"}))[0] is None
     warned = [r for r in _own_records(caplog, patching) if "prefix caching" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+
+
+def test_cuda_mtp_flashinfer_verify_kernel_refused_with_reason_or_served(fake_cuda_mtp, monkeypatch, caplog):
+    """mtp_kernel="flashinfer" on (faked) CUDA, MTP opted in, bf16 state: a config its kernel
+    cannot serve stays native with a reason naming the option (and, strict, raises); one it can
+    serve gets a plan with the verify kernel chosen and a ring of its 32 entries, logged once."""
+    import logging
+
+    from replayssm_patch import flashinfer_verify
+    from replayssm_patch.ring_plan import plan_for
+
+    patching = fake_cuda_mtp
+    bf16 = {"cache_config.mamba_ssm_cache_dtype": "bfloat16"}
+    fi = options.Options(enabled=True, allow_mtp_cuda=True, allow_16bit_state=True, mtp_kernel="flashinfer")
+    cases = [(_mtp_config(5, **bf16), "serves verify windows of 4 or 8 tokens"),  # T=5: a window of 6
+             (_mtp_config(3), "needs a bfloat16 SSM state"),  # fp32 state
+             (_mtp_config(3, **bf16), "needs a CUDA GPU of compute capability 9.0")]  # this machine
+    for cfg, why in cases:
+        plan, reasons = plan_for(cfg, fi)
+        assert plan is None and len(reasons) == 1, reasons
+        assert reasons[0].startswith("mtp_kernel='flashinfer' (VLLM_GDN_REPLAYSSM_MTP_KERNEL)") and why in reasons[0]
+    # ours stays the verify kernel without the option, whatever FlashInfer can do
+    plan, _ = plan_for(_mtp_config(3, **bf16), options.Options(enabled=True, allow_mtp_cuda=True,
+                                                               allow_16bit_state=True))
+    assert plan.verify_kernel == "triton" and plan.ring_len == 16
+
+    monkeypatch.setattr(flashinfer_verify, "why_not", lambda *args: None)
+    plan, reasons = plan_for(_mtp_config(3, **bf16), fi)
+    assert reasons == [] and plan.verify_kernel == "flashinfer" and plan.ring_len == flashinfer_verify.RING_SLOTS
+    monkeypatch.setitem(patching.state, "options", fi)
+    with caplog.at_level(logging.INFO, logger=patching.logger.name):
+        patching.current_plan(_mtp_config(3, **bf16))
+    assert any("verify kernel: flashinfer" in r.getMessage() for r in _own_records(caplog, patching))
