@@ -23,7 +23,9 @@ patched/native ratio per batch size, and the summary reports their median with m
 with T drafts to both arms (the patched arm opts in with patch(allow_mtp_cuda=True), as MTP
 on CUDA stays native by default; prefix caching off in both; with dummy weights drafts are rarely
 accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
-counters are recorded per arm).
+counters are recorded per arm). `--mtp-kernel flashinfer` gives the patched arm FlashInfer's
+verify kernel (patch(mtp_kernel=...): the option is patch()'s argument here, so the environment
+variable does not reach the arm); the run stops if the patched engine's log does not name it.
 
 `--profile-batches B,...` adds, after each listed batch's timings, a torch-profiler trace of 8
 decode steps of that batch in each run (vLLM's `profiler_config`, steps 9-16 of a 32-token
@@ -87,7 +89,7 @@ def arm(args) -> None:
         # MTP on CUDA goes through the ring only when opted in; patch() also sets
         # VLLM_GDN_REPLAYSSM_MTP_CUDA=1 for the engine's processes
         report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
-                                       allow_mtp_cuda=bool(args.mtp), min_batch=args.min_batch,
+                                       allow_mtp_cuda=bool(args.mtp), min_batch=args.min_batch, mtp_kernel=args.mtp_kernel,
                                        allow_16bit_state=args.state_dtype in ("bfloat16", "float16"))
         assert report["applied"], report
     from vllm import LLM, SamplingParams
@@ -241,6 +243,9 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=0, metavar="T",
                     help="MTP speculative decoding with T drafts (0: off); adds one MTP layer to the config, "
                          "prefix caching off in both arms; step_ms is then the time per output token")
+    ap.add_argument("--mtp-kernel", choices=["triton", "flashinfer"], default="triton",
+                    help="with --mtp: the patched arm's verify kernel (patch(mtp_kernel=...)); the run stops if "
+                         "the patched engine's log does not name it")
     ap.add_argument("--profile-batches", default="", metavar="B,...",
                     help="also trace 8 decode steps of these batches (among --batches) per run with the torch profiler")
     ap.add_argument("--plot", default=None, metavar="PNG",
@@ -273,7 +278,7 @@ def main() -> None:
                "--in-len", str(args.in_len), "--out-len", str(args.out_len), "--repeats", str(args.repeats),
                "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
                "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode),
-               "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp),
+               "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp), "--mtp-kernel", args.mtp_kernel,
                "--profile-batches", args.profile_batches, "--shape", args.shape, "--min-batch", args.min_batch,
                "--profile-dir", os.path.join(workdir, f"profile_{len(runs)}_{name}")]
         print(f"== arm {name}", flush=True)
@@ -282,17 +287,14 @@ def main() -> None:
         open(os.path.join(workdir, f"{len(runs)}_{name}.log"), "w").write(log)
         if p.returncode != 0:
             raise SystemExit(f"{name} failed:\n{log[-6000:]}")
-        if name == "patched" and "decode through the ring" not in log:
-            # strict mode does not raise for a config that is native by default (an opt-in
-            # off): make sure the patched arm really timed the ring
-            raise SystemExit(f"patched arm: no 'decode through the ring' line (GDN layers native, "
-                             f"or VLLM_LOGGING_LEVEL above INFO):\n{log[-6000:]}")
+        if name == "patched":
+            check_patched_log(log, args)
         print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("[")), flush=True)
         res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1][12:])
         # vLLM's own cache report (KV cache size in tokens, maximum concurrency) and our ring size
         res["engine_cache_log"] = [ln.strip()[-220:] for ln in log.splitlines()
                                    if "Maximum concurrency" in ln or "KV cache size" in ln
-                                   or "decode through the ring" in ln][:6]
+                                   or "decode through the ring" in ln or "verify kernel:" in ln][:6]
         runs.append({"arm": name, **res})
         if args.out:  # the runs so far, in the form --merge reads: a cut-off session keeps its pairs
             json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -300,6 +302,18 @@ def main() -> None:
                                                                  if k not in ("arm", "model")}, "runs": runs},
                       open(args.out + ".partial", "w"), indent=1)
     finish(args, runs)
+
+
+def check_patched_log(log: str, args) -> None:
+    """Stop unless the patched engine's log shows the ring (and with --mtp, the verify kernel
+    asked for): strict mode does not raise for a config that is native by default (an opt-in
+    off), and an unmet kernel option falls back with a log line, not an error."""
+    if "decode through the ring" not in log:
+        raise SystemExit(f"patched arm: no 'decode through the ring' line (GDN layers native, "
+                         f"or VLLM_LOGGING_LEVEL above INFO):\n{log[-6000:]}")
+    if args.mtp and f"verify kernel: {args.mtp_kernel}" not in log:
+        raise SystemExit(f"patched arm: no 'verify kernel: {args.mtp_kernel}' line (--mtp-kernel not "
+                         f"served):\n{log[-6000:]}")
 
 
 def pairs_of(runs) -> list[tuple[dict, dict]]:
@@ -366,6 +380,8 @@ def finish(args, runs):
               f"{len(ratios)} pairs)" + (f", Amdahl bound x{row['amdahl_bound']:.3f}" if "amdahl_bound" in row else ""),
               flush=True)
     summary = {"config": config_name(args), "shape": args.shape, "pairs": len(pairs)}
+    if args.mtp:
+        summary["mtp_kernel"] = args.mtp_kernel
     tag = f"t{args.mtp}_" if args.mtp else ""
     for b, row in table.items():
         summary[f"speedup_{tag}b{b}"] = round(row["speedup"], 4)

@@ -54,6 +54,11 @@
 #   bash benchmarks/gpu_run.sh fiinstall  # unpack FlashInfer + CuTe DSL (.bundle/fi/flashinfer.tar.xz.NN from
 #     benchmarks/make_flashinfer_bundle.sh, staged like the vLLM parts) to /tmp/fi-site, which every
 #     step then finds on PYTHONPATH; `kbench --flashinfer` times it beside ours and vLLM's
+#   bash benchmarks/gpu_run.sh mtp16 agree|decode [triton|flashinfer]   # (needs install; fiinstall for
+#     flashinfer) MTP T=3 with a bf16 SSM state, the patched arm's verify kernel as named (default triton):
+#     agree: e2e_agreement.py on the MTP checkpoint (16 x 128, native control on) to
+#     $OUT/e2e_agreement_mtp3_bf16_KERNEL.json + logs; decode: e2e_decode.py in vLLM's default config,
+#     batches 16/64/256, 3 pairs, profiled at 256, to $OUT/e2e_decode_mtp3_bf16_KERNEL.json + $OUT/work
 #   bash benchmarks/gpu_run.sh mtpprof   # (needs install) MTP T=3 batch 256, AB, with
 #     --profile-batches 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
 set -euo pipefail
@@ -177,6 +182,21 @@ case "${1:?step}" in
     grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|long_scoreboard" "$OUT/ncu_${st}_b${b}_${l}.txt" ;;
   probe)
     python3 benchmarks/gpu_probe.py --out "$OUT/gpu_probe.json" ;;
+  mtp16)
+    what=${2:?agree or decode}; k=${3:-triton}; rc=0
+    case $what in
+      agree)
+        VLLM_GDN_REPLAYSSM_16BIT_STATE=1 VLLM_GDN_REPLAYSSM_MTP_KERNEL=$k python3 benchmarks/e2e_agreement.py --mtp 3 \
+          --tag "mtp3_bf16_$k" --out "$OUT/e2e_agreement_mtp3_bf16_$k.json" --workdir /tmp/mtp16 --states bfloat16 \
+          --requests 16 --tokens 128 2>&1 | tail -20 || rc=1
+        for f in /tmp/mtp16/*.log; do gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
+      decode)
+        python3 benchmarks/e2e_decode.py --mtp 3 --mtp-kernel "$k" --state-dtype bfloat16 --batches 16,64,256 \
+          --repeats 1 --profile-batches 256 --out "$OUT/e2e_decode_mtp3_bf16_$k.json" --workdir "$OUT/work" 2>&1 \
+          | tail -30 || rc=1 ;;
+      *) echo "mtp16: agree or decode, got $what" >&2; rc=2 ;;
+    esac
+    exit $rc ;;
   mtpprof)
     python3 benchmarks/e2e_decode.py --mtp 3 --batches 256 --order AB --repeats 1 --cudagraph-mode FULL_DECODE_ONLY \
       --compile-mode 0 --profile-batches 256 --out "$OUT/mtp3_profile.json" 2>&1 | tail -20 ;;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host time of one `ring_decode` call: its Python path with the Triton launches stubbed out.
 
-    python benchmarks/host_overhead.py [--baseline DIR] [--tma] [--out results.json]
+    python benchmarks/host_overhead.py [--baseline DIR] [--tma] [--verify T] [--out results.json]
 
 In eager and piecewise-compiled steps vLLM calls the decode once per GDN layer per step, so
 this time is paid per layer (under a full CUDA graph it is paid only at capture). Runs on the
@@ -10,7 +10,8 @@ on a GPU, only the kernels do not. `--baseline DIR` times a copy of another comm
 package (as in kernel_decode.py) in the same process, interleaved; median of repeats, us.
 `--tma` adds an arm that answers the TMA form's capability check with yes (as on Hopper) and its
 occupancy lookup as cached after the first call, so the table picks the TMA form where it would
-on an H200 and its launcher (tensor descriptor, constexprs, grid) is timed.
+on an H200 and its launcher (tensor descriptor, constexprs, grid) is timed. `--verify T` adds
+the MTP verify launcher (`ring_verify`, bf16 state and ring, T tokens per row), per call.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 import torch  # noqa: E402
 
 H, HV, K, V, L = 16, 32, 128, 128, 16  # the Qwen3-Next / Qwen3.5-9B GDN shape
-KERNEL_MODULES = ("decode", "decode_fused", "decode_two_phase", "decode_replay", "decode_tma", "ring_decode")
+KERNEL_MODULES = ("decode", "decode_fused", "decode_two_phase", "decode_replay", "decode_tma", "ring_decode", "verify")
 
 
 class _NoLaunch:
@@ -80,6 +81,18 @@ def decode_args(rows: int, slots: int = 600):
             torch.zeros(rows, dtype=torch.bool))
 
 
+def verify_args(rows: int, window: int, slots: int = 600):
+    """ring_verify's arguments: `rows` rows of `window` tokens, bf16 state and ring, windows pending."""
+    bf16, i32 = torch.bfloat16, torch.int32
+    tokens = rows * window
+    return (torch.randn(tokens, 2 * H * K + HV * V), torch.randn(tokens, HV), torch.randn(tokens, HV),
+            torch.zeros(HV), torch.zeros(HV), K ** -0.5, torch.zeros(slots, HV, V, K, dtype=bf16),
+            torch.empty(tokens, HV, V), torch.arange(1, rows + 1, dtype=i32),
+            torch.arange(0, tokens + 1, window, dtype=i32), torch.zeros(slots, HV, L, V, dtype=bf16),
+            torch.zeros(slots, H, L, K, dtype=bf16), torch.zeros(slots, HV, L), torch.zeros(slots, dtype=i32),
+            torch.ones(rows, dtype=i32), window)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", default=None, metavar="DIR", help="a copy of another commit's _vendored")
@@ -87,6 +100,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tma", action="store_true", help="also time the TMA form's host path (as on Hopper)")
+    ap.add_argument("--verify", type=int, default=0, metavar="T",
+                    help="also time ring_verify (the MTP verify launcher) with T tokens per row")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -94,6 +109,8 @@ def main(argv=None):
 
     stub_kernels("replayssm_patch._vendored")
     arms = {"ours": ours.ring_decode}
+    if args.verify:
+        arms["verify"] = ours.ring_verify
     if args.tma:
         arms["ours_tma"] = tma_arm("replayssm_patch._vendored")
     if args.baseline:
@@ -104,10 +121,12 @@ def main(argv=None):
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         a = decode_args(rows)
+        v = verify_args(rows, args.verify) if args.verify else None
         times = {k: [] for k in arms}
         for _ in range(args.repeats):  # arms interleaved
             for name, fn in arms.items():
-                times[name].append(timeit.timeit(lambda: fn(*a), number=args.calls) / args.calls * 1e6)
+                fa = v if name == "verify" else a
+                times[name].append(timeit.timeit(lambda: fn(*fa), number=args.calls) / args.calls * 1e6)
         row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
         if "baseline" in arms:
             row["ours_over_baseline"] = round(row["ours_us"] / row["baseline_us"], 3)
@@ -119,6 +138,7 @@ def main(argv=None):
            "command": " ".join(["python"] + sys.argv), "machine": platform.machine(), "cpus": os.cpu_count(),
            "python": sys.version.split()[0], "torch": torch.__version__, "shape": {"H": H, "HV": HV, "K": K, "V": V, "L": L},
            "method": f"median of {args.repeats} interleaved repeats of {args.calls} calls; Triton launches stubbed",
+           "verify_tokens_per_row": args.verify or None,
            "baseline": args.baseline, "rows": rows_out}
     if args.out:
         with open(args.out, "w") as f:

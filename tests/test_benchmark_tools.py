@@ -65,7 +65,7 @@ def _args(mod, tmp_path, **over):
     import argparse
 
     a = argparse.Namespace(batches="1,64", state_dtype="float32", kernel_json=None, kernel_shape="qwen3-next",
-                           compile_mode=3, cudagraph_mode="FULL_AND_PIECEWISE", mtp=0, shape="9b", tp=1,
+                           compile_mode=3, cudagraph_mode="FULL_AND_PIECEWISE", mtp=0, mtp_kernel="triton", shape="9b", tp=1,
                            gdn_heads="16,32", out=str(tmp_path / "e2e.json"), plot=str(tmp_path / "e2e.png"))
     for k, v in over.items():
         setattr(a, k, v)
@@ -103,9 +103,25 @@ def test_e2e_refuses_runs_that_do_not_pair(tmp_path):
 def test_e2e_mtp_summary_keys(tmp_path):
     mod = _load("e2e_decode")
     runs = [_run("native", {1: 10.0, 64: 20.0}), _run("patched", {1: 10.0, 64: 16.0})]
-    s = mod.finish(_args(mod, tmp_path, plot=None, mtp=3, compile_mode=0, cudagraph_mode="FULL_DECODE_ONLY"),
-                   runs)["summary"]
+    s = mod.finish(_args(mod, tmp_path, plot=None, mtp=3, compile_mode=0, cudagraph_mode="FULL_DECODE_ONLY",
+                         mtp_kernel="flashinfer"), runs)["summary"]
     assert s["config"] == "full_decode_only_no_compile" and s["speedup_t3_b64"] == 1.25
+    assert s["mtp_kernel"] == "flashinfer"
+
+
+def test_e2e_patched_log_must_name_the_ring_and_the_verify_kernel_asked_for(tmp_path):
+    """A patched arm whose engine stayed native, or served MTP with another verify kernel than
+    --mtp-kernel (an option that did not reach the engine), stops the run."""
+    mod = _load("e2e_decode")
+    ring = "replayssm_patch: Qwen3_5ForCausalLM GDN layers decode through the ring (L=32, ...)"
+    mtp_line = "replayssm_patch: MTP speculative decoding (T=3) goes through the ring on CUDA, ... verify kernel: {}"
+    mod.check_patched_log(ring, _args(mod, tmp_path))
+    with pytest.raises(SystemExit, match="decode through the ring"):
+        mod.check_patched_log("GDN layers native", _args(mod, tmp_path))
+    fi = _args(mod, tmp_path, mtp=3, mtp_kernel="flashinfer")
+    mod.check_patched_log(ring + "\n" + mtp_line.format("flashinfer"), fi)
+    with pytest.raises(SystemExit, match="verify kernel: flashinfer"):
+        mod.check_patched_log(ring + "\n" + mtp_line.format("triton"), fi)
 
 
 def _kernel_row(shape, sdt, batch, native, ours, baseline=None):
