@@ -11,7 +11,7 @@ package (as in kernel_decode.py) in the same process, interleaved; median of rep
 `--tma` adds an arm that answers the TMA form's capability check with yes (as on Hopper) and its
 occupancy lookup as cached after the first call, so the table picks the TMA form where it would
 on an H200 and its launcher (tensor descriptor, constexprs, grid) is timed. `--verify T` adds
-the MTP verify launcher (`ring_verify`, bf16 state and ring, T tokens per row), per call.
+the MTP verify launcher (`ring_verify`, bf16 state and ring, T tokens per row, empty rings).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def decode_args(rows: int, slots: int = 600):
 
 
 def verify_args(rows: int, window: int, slots: int = 600):
-    """ring_verify's arguments: `rows` rows of `window` tokens, bf16 state and ring, windows pending."""
+    """ring_verify's arguments: `rows` rows of `window` tokens, bf16 state and ring, empty rings,
+    one accepted token per row."""
     bf16, i32 = torch.bfloat16, torch.int32
     tokens = rows * window
     return (torch.randn(tokens, 2 * H * K + HV * V), torch.randn(tokens, HV), torch.randn(tokens, HV),
