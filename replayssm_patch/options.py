@@ -113,18 +113,19 @@ def check_min_batch(name: str, value) -> int | str:
     return n
 
 
-def check_ring_dtype(name: str, value: str) -> str:
+def _check_choice(name: str, value, accepted: tuple[str, ...]) -> str:
     v = str(value).strip().lower()
-    if v not in RING_DTYPES:
-        raise OptionError(f"{name}={value!r} is not accepted; accepted values: {', '.join(RING_DTYPES)}")
+    if v not in accepted:
+        raise OptionError(f"{name}={value!r} is not accepted; accepted values: {', '.join(accepted)}")
     return v
+
+
+def check_ring_dtype(name: str, value: str) -> str:
+    return _check_choice(name, value, RING_DTYPES)
 
 
 def check_mtp_kernel(name: str, value) -> str:
-    v = str(value).strip().lower()
-    if v not in MTP_KERNELS:
-        raise OptionError(f"{name}={value!r} is not accepted; accepted values: {', '.join(MTP_KERNELS)}")
-    return v
+    return _check_choice(name, value, MTP_KERNELS)
 
 
 def declare_to_vllm() -> None:

@@ -230,22 +230,17 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
             reasons.append(f"ring kernel unavailable: {why}")
     elif not current_platform.is_cpu():
         reasons.append(f"platform {type(current_platform).__name__} (supported: CUDA, CPU)")
-    verify_kernel = "triton"
-    if not reasons and spec_tokens and platform == "cuda" and options.mtp_kernel == "flashinfer":
-        from . import flashinfer_verify
-
-        why = flashinfer_verify.why_not(state_dtype, ring_dtype_for(options.ring_dtype, state_dtype, mc.dtype),
-                                        K, V, spec_tokens + 1)
-        if why:
-            reasons.append(f"mtp_kernel='flashinfer' (VLLM_GDN_REPLAYSSM_MTP_KERNEL): FlashInfer's verify kernel {why}")
-        else:
-            verify_kernel = "flashinfer"
     if reasons:
         return None, reasons
     ring_dtype = ring_dtype_for(options.ring_dtype, state_dtype, mc.dtype)
     L = spec_ring_len(options.ring_len, spec_tokens)
-    if verify_kernel == "flashinfer":
-        from .flashinfer_verify import RING_SLOTS
+    verify_kernel = "triton"
+    if spec_tokens and platform == "cuda" and options.mtp_kernel == "flashinfer":
+        from . import flashinfer_verify
 
-        L = RING_SLOTS  # its ring tensors have exactly this many entries
+        why = flashinfer_verify.why_not(state_dtype, ring_dtype, K, V, spec_tokens + 1)
+        if why:
+            return None, [f"mtp_kernel='flashinfer' (VLLM_GDN_REPLAYSSM_MTP_KERNEL): FlashInfer's verify kernel {why}"]
+        verify_kernel = "flashinfer"
+        L = flashinfer_verify.RING_SLOTS  # its ring tensors have exactly this many entries
     return RingPlan(H // tp, HV // tp, K, V, L, ring_dtype, state_dtype, spec_tokens, min_batch, verify_kernel), []
