@@ -58,7 +58,9 @@
 #     flashinfer) MTP T=3 with a bf16 SSM state, the patched arm's verify kernel as named (default triton):
 #     agree: e2e_agreement.py on the MTP checkpoint (16 x 128, native control on) to
 #     $OUT/e2e_agreement_mtp3_bf16_KERNEL.json + logs; decode: e2e_decode.py in vLLM's default config,
-#     batches 16/64/256, 3 pairs, profiled at 256, to $OUT/e2e_decode_mtp3_bf16_KERNEL.json + $OUT/work
+#     batches 16/64/256 (or $BATCHES), 3 pairs, profiled at 256 (or $PROFILE, empty: none), to $OUT/e2e_decode_mtp3_bf16_KERNEL.json + $OUT/work
+#   bash benchmarks/gpu_run.sh cuteprobe   # (needs fiinstall) benchmarks/cute_read_probe.py: how close a
+#     TMA-pipelined CuTe DSL kernel reads state tiles to copy bandwidth, to $OUT/cute_read_probe.{json,md}
 #   bash benchmarks/gpu_run.sh mtpprof   # (needs install) MTP T=3 batch 256, AB, with
 #     --profile-batches 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
 set -euo pipefail
@@ -184,6 +186,7 @@ case "${1:?step}" in
     python3 benchmarks/gpu_probe.py --out "$OUT/gpu_probe.json" ;;
   mtp16)
     what=${2:?agree or decode}; k=${3:-triton}; rc=0
+    BATCHES=${BATCHES:-16,64,256}; PROFILE=${PROFILE-256}
     case $what in
       agree)
         VLLM_GDN_REPLAYSSM_16BIT_STATE=1 VLLM_GDN_REPLAYSSM_MTP_KERNEL=$k python3 benchmarks/e2e_agreement.py --mtp 3 \
@@ -191,12 +194,14 @@ case "${1:?step}" in
           --requests 16 --tokens 128 2>&1 | tail -20 || rc=1
         for f in /tmp/mtp16/*.log; do gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
       decode)
-        python3 benchmarks/e2e_decode.py --mtp 3 --mtp-kernel "$k" --state-dtype bfloat16 --batches 16,64,256 \
-          --repeats 1 --profile-batches 256 --out "$OUT/e2e_decode_mtp3_bf16_$k.json" --workdir "$OUT/work" 2>&1 \
+        python3 benchmarks/e2e_decode.py --mtp 3 --mtp-kernel "$k" --state-dtype bfloat16 --batches "$BATCHES" \
+          --repeats 1 --profile-batches "$PROFILE" --out "$OUT/e2e_decode_mtp3_bf16_$k.json" --workdir "$OUT/work" 2>&1 \
           | tail -30 || rc=1 ;;
       *) echo "mtp16: agree or decode, got $what" >&2; rc=2 ;;
     esac
     exit $rc ;;
+  cuteprobe)  # (needs fiinstall: CuTe DSL) TMA read-bandwidth probe, to $OUT/cute_read_probe.{json,md}
+    python3 benchmarks/cute_read_probe.py --out "$OUT" 2>&1 | tail -40 ;;
   mtpprof)
     python3 benchmarks/e2e_decode.py --mtp 3 --batches 256 --order AB --repeats 1 --cudagraph-mode FULL_DECODE_ONLY \
       --compile-mode 0 --profile-batches 256 --out "$OUT/mtp3_profile.json" 2>&1 | tail -20 ;;

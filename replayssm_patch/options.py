@@ -58,7 +58,8 @@ class Options:
     min_batch: int | str = "auto"
     # The speculative verify kernel on CUDA: "triton" (ours) or "flashinfer" (FlashInfer's
     # ReplaySSM MTP kernel on the same rings: bf16 state, windows of 4 or 8 tokens, Hopper+;
-    # needs flashinfer-python and nvidia-cutlass-dsl). Experimental: one end-to-end agreement run.
+    # needs flashinfer-python and nvidia-cutlass-dsl). Experimental: slower than ours end to end
+    # (2026-12-04: its ring bookkeeping costs more than its faster kernel saves).
     mtp_kernel: str = "triton"
 
     def to_env(self) -> dict[str, str]:
