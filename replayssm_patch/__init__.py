@@ -51,7 +51,8 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         newer, flashinfer-python with nvidia-cutlass-dsl installed; a config it cannot serve
         stays native with the reason logged). Experimental: GPU-tested against ours; end to end
         (bf16 state, H200) 14/16 requests identical to native and 0.70-0.80x native's speed at
-        batch 16, where ours is 16/16 and 0.96x: its ring bookkeeping costs more than it saves.
+        batch 16, where ours is 16/16 and 0.96x, with its ring bookkeeping then ~30 torch ops per
+        call; that bookkeeping is two kernels since, not yet measured end to end.
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """

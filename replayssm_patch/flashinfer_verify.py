@@ -6,11 +6,13 @@ ours -- L2-normalised keys, the delta rule's d vectors, cumulative log-decays si
 checkpoint, at entries n..n+W-1 of a slot's ring (tests/gpu/test_flashinfer_verify_gpu.py) --
 and measured 2.3-5.0x our verify kernel on an H200 (benchmarks/results/flashinfer_2026-12-04/).
 So it serves the verify step on our rings, and every other ring operation (commit, decode,
-materialise, reset) stays ours. What differs is bookkeeping, done here around its launch:
+materialise, reset) stays ours. What differs is bookkeeping, done around its launch by two
+small kernels (`_vendored/ucache.py`, one launch each; it had been ~30 torch ops per call,
+the likely reason the step was slower end to end than with our kernel on 2026-12-04):
 
   * it takes the committed count per row (`hist_len`, at most 16) and leaves the commit to the
-    caller: we commit the previous window first (ring_commit), fold any ring longer than 16
-    entries into its checkpoint (our kernels allow up to L = 32), and mark the new window as
+    caller: we commit the previous window first, fold any ring longer than 16 entries into its
+    checkpoint (our kernels allow up to L = 32; `ring_materialize`), and mark the new window as
     pending in the cursor word afterwards, as our verify kernel does;
   * a row holding more than 16 - W entries has its ring folded into the checkpoint in the same
     launch and its window written after the folded entries: we move those W entries to the
@@ -30,7 +32,6 @@ import os
 import torch
 
 from . import _vendored as lib
-from ._vendored.ring_reference import CURSOR_FIELD_MASK
 
 WINDOWS = (4, 8)  # its native windows (T + 1 tokens)
 RING_SLOTS = 32  # its rings' length (the ring tensors must have exactly this many entries)
@@ -78,30 +79,16 @@ def verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, slots, ring, num_
     rows = slots.shape[0]
     H, L, K = ring.k.shape[1:]
     HV, V = ring.d.shape[1], ring.d.shape[3]
-    lib.ring_commit(ring.cursor, slots, num_accepted, L)
-    real = slots > 0
-    rows_slot = torch.where(real, slots, 0).long()
-    n = torch.where(real, ring.cursor[rows_slot] & CURSOR_FIELD_MASK, 0)
+    rows_slot, hist, base, fold = lib.ucache_prepare(ring.cursor, slots, num_accepted, L, LIVE_ROWS)
     # rings our kernels let grow past what it accepts (decode steps, a ragged verify step)
-    lib.ring_materialize(state, ring.d, ring.k, ring.g, ring.cursor, torch.where(n > LIVE_ROWS, slots, 0))
-    hist = torch.where(n > LIVE_ROWS, 0, n).to(torch.int32).contiguous()
+    lib.ring_materialize(state, ring.d, ring.k, ring.g, ring.cursor, fold)
     q, k, v = torch.split(mixed_qkv, [H * K, H * K, HV * V], dim=-1)  # views sharing one token stride
     # the layer's parameters: DLPack, which it takes them through, refuses tensors that require grad
     A_log, dt_bias = A_log.detach(), dt_bias.detach()
     fn(A_log, a.view(rows, window, HV), dt_bias, q=q.unflatten(0, (rows, window)).unflatten(-1, (H, K)),
        k=k.unflatten(0, (rows, window)).unflatten(-1, (H, K)), v=v.unflatten(0, (rows, window)).unflatten(-1, (HV, V)),
-       b=b.view(rows, window, HV), initial_state_source=state, initial_state_indices=rows_slot.to(torch.int32),
+       b=b.view(rows, window, HV), initial_state_source=state, initial_state_indices=rows_slot,
        scale=scale, output=out.view(rows, window, HV, V), k_cache=ring.k, u_cache=ring.d, g_cache=ring.g,
-       hist_len=hist, cache_base=torch.zeros_like(hist), restart_hist_on_flush=False)
-    # A folded row's window went in after its folded entries: move it to the ring's start (for
-    # the others this copies their first entries onto themselves).
-    folded = hist >= LIVE_ROWS - window + 1
-    src = torch.where(folded, hist, 0).long()[:, None] + torch.arange(window, device=hist.device)
-    dst = torch.arange(window, device=hist.device).expand(rows, window)
-    at = rows_slot[:, None]
-    for t in (ring.d, ring.k, ring.g):
-        t[at, :, dst] = t[at, :, src]
-    n_new = torch.where(folded, 0, hist)
-    word = lib.pack_cursor(n_new, torch.full_like(n_new, window))
-    ring.cursor[rows_slot] = torch.where(real, word, ring.cursor[rows_slot])
+       hist_len=hist, cache_base=base, restart_hist_on_flush=False)
+    lib.ucache_finish(ring.d, ring.k, ring.g, ring.cursor, rows_slot, hist, window, LIVE_ROWS)
     return out

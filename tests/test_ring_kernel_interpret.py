@@ -15,11 +15,7 @@ import sys
 if __name__ == "__main__":  # the subprocess: interpret mode before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
-import importlib.util
-
-import pytest
-
-_HAVE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
+from replayssm_patch.testing.interpreted import interpreted_test
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,23 +372,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    if not _HAVE:
-        pytest.skip("torch and triton are needed for the interpreter tests")
-    from replayssm_patch.testing.interpreted import collect
-
-    try:
-        return collect(__file__)
-    except RuntimeError as e:
-        pytest.fail(str(e))
-
-
-@pytest.mark.parametrize("case", [c.__name__ for c in CASES])
-def test_ring_kernel_interpreted(interpreter_results, case):
-    rec = interpreter_results.get(case)
-    assert rec is not None, f"{case} did not run"
-    assert rec["ok"], rec.get("error")
+test_ring_kernel_interpreted = interpreted_test(__file__, CASES)
 
 
 if __name__ == "__main__":

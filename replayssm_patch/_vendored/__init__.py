@@ -3,7 +3,8 @@
 The public API is exported here. The Triton kernels load on first use, so the torch
 references import (and run) where triton is missing or cannot initialise.
 
-    kernels     ring_decode, ring_materialize, ring_reset, ring_verify, ring_commit
+    kernels     ring_decode, ring_materialize, ring_reset, ring_verify, ring_commit;
+                ucache_prepare, ucache_finish (the bookkeeping around FlashInfer's verify kernel)
     launches    DecodeLaunch, VerifyLaunch, DECODE_TABLE, pick_decode_launch, override_launch
     references  ring_decode_reference, ring_materialize_reference, ring_reset_reference,
                 ring_spec_verify_reference, ring_commit_pending_reference,
@@ -11,7 +12,7 @@ references import (and run) where triton is missing or cannot initialise.
     cursor      pack_cursor, unpack_cursor (the verify kernels' packed cursor word)
 
 Modules: decode (entry) with decode_fused / decode_two_phase / decode_replay (one per launch
-form) and decode_shared; materialize; verify; launch (selection); ring_reference and
+form) and decode_shared; materialize; verify; ucache; launch (selection); ring_reference and
 gdn_reference (float64-capable torch references); ring_checks (argument checks); gdn_gates.
 """
 
@@ -25,6 +26,8 @@ _EXPORTS = {
     "ring_reset": "materialize",
     "ring_verify": "verify",
     "ring_commit": "verify",
+    "ucache_prepare": "ucache",
+    "ucache_finish": "ucache",
     "DecodeLaunch": "launch",
     "VerifyLaunch": "launch",
     "DECODE_TABLE": "launch",

@@ -322,19 +322,27 @@ def _ring_verify_finish_kernel(
 
 
 @triton.jit
+def commit_rows(cursor, idx, acc, offs, rows, stride_idx, stride_acc, L: tl.constexpr, HAS_ACC: tl.constexpr):
+    """The delayed commit of rows `offs` (mask `rows`): stores and returns each real row's
+    committed count; returns (slot, real, n). Shared with the ucache bookkeeping kernel."""
+    s = tl.load(idx + offs.to(tl.int64) * stride_idx, mask=rows, other=0).to(tl.int64)
+    real = rows & (s > 0)
+    word = tl.load(cursor + s, mask=real, other=0)
+    n = word & 0xFF
+    if HAS_ACC:
+        pend = (word >> 8) & 0xFF
+        a_i = tl.maximum(tl.load(acc + offs.to(tl.int64) * stride_acc, mask=real, other=0).to(tl.int32), 0)
+        n = n + tl.where(pend > 0, tl.minimum(a_i, pend), 0)
+    n = tl.minimum(n, L)
+    tl.store(cursor + s, n, mask=real)
+    return s, real, n
+
+
+@triton.jit
 def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
                         L: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n_rows
-    s = tl.load(idx + offs.to(tl.int64) * stride_idx, mask=m, other=0).to(tl.int64)
-    m = m & (s > 0)
-    word = tl.load(cursor + s, mask=m, other=0)
-    n = word & 0xFF
-    pend = (word >> 8) & 0xFF
-    if HAS_ACC:
-        a_i = tl.maximum(tl.load(acc + offs.to(tl.int64) * stride_acc, mask=m, other=0).to(tl.int32), 0)
-        n = n + tl.where(pend > 0, tl.minimum(a_i, pend), 0)
-    tl.store(cursor + s, tl.minimum(n, L), mask=m)
+    commit_rows(cursor, idx, acc, offs, offs < n_rows, stride_idx, stride_acc, L, HAS_ACC)
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,21 +450,27 @@ def ring_verify(
     return out3
 
 
+def check_commit_args(cursor, state_indices, num_accepted, L, name="state_indices"):
+    """The checks of a delayed commit's arguments; returns (num_accepted, its stride) as
+    `_rows_tensor` does."""
+    if cursor.ndim != 1 or cursor.dtype != torch.int32 or cursor.stride(0) != 1:
+        raise ValueError("cursor must be a contiguous 1-D int32 tensor")
+    if state_indices.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (got {tuple(state_indices.shape)})")
+    if not isinstance(L, int) or not 1 <= L <= _FIELD_MASK:
+        raise ValueError(f"L must be an int in [1, {_FIELD_MASK}] (got {L!r})")
+    check_device(cursor.device, **{name: state_indices})
+    return _rows_tensor(num_accepted, state_indices.shape[0], "num_accepted", cursor.device)
+
+
 def ring_commit(cursor: torch.Tensor, state_indices: torch.Tensor, num_accepted: torch.Tensor | None,
                 L: int) -> None:
     """Delayed commit alone (semantics of `ring_commit_pending_reference` on the packed word):
     n = min(n + min(num_accepted, pending), L) where a window is pending, pending = 0; rows
     with slot <= 0 ignored; num_accepted None drops the windows. Afterwards the slots hold the
     plain entry count that ring_decode / ring_materialize expect. Graph safe, no host sync."""
-    if cursor.ndim != 1 or cursor.dtype != torch.int32 or cursor.stride(0) != 1:
-        raise ValueError("cursor must be a contiguous 1-D int32 tensor")
-    if state_indices.ndim != 1:
-        raise ValueError(f"state_indices must be 1-D (got {tuple(state_indices.shape)})")
-    if not isinstance(L, int) or not 1 <= L <= _FIELD_MASK:
-        raise ValueError(f"L must be an int in [1, {_FIELD_MASK}] (got {L!r})")
+    acc, s_acc = check_commit_args(cursor, state_indices, num_accepted, L)
     n = state_indices.shape[0]
-    check_device(cursor.device, state_indices=state_indices)
-    acc, s_acc = _rows_tensor(num_accepted, n, "num_accepted", cursor.device)
     if n == 0:
         return
     BLOCK = 128

@@ -3,11 +3,13 @@
 TRITON_INTERPRET must be set before triton is first imported, and another test module of the
 same pytest process may already have imported triton. So a test module runs its checks by
 executing itself as a script (`collect(__file__)`), whose `__main__` block sets the variable and
-calls `run_cases(CASES)`: one `RESULT {json}` line per check, which `collect` parses.
+calls `run_cases(CASES)`: one `RESULT {json}` line per check, which `collect` parses;
+`interpreted_test(__file__, CASES)` is the pytest side, one test per check.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -53,3 +55,29 @@ def collect(script: str, timeout: float = 600) -> dict:
         raise RuntimeError(f"interpreter subprocess produced no results (rc={proc.returncode}):\n"
                            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return results
+
+
+def interpreted_test(script: str, cases):
+    """A pytest test function parametrized by the checks' names: the first one runs them all in
+    one interpreter subprocess (`collect`), each reports its own check. Skipped without torch
+    and triton."""
+    import pytest
+
+    outcome = {}  # "results" (dict) or "error" (str), once per module
+
+    @pytest.mark.parametrize("case", [c.__name__ for c in cases])
+    def test(case):
+        if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+            pytest.skip("torch and triton are needed for the interpreter tests")
+        if not outcome:
+            try:
+                outcome["results"] = collect(script)
+            except RuntimeError as e:
+                outcome["error"] = str(e)
+        if "error" in outcome:
+            pytest.fail(outcome["error"])
+        rec = outcome["results"].get(case)
+        assert rec is not None, f"{case} did not run"
+        assert rec["ok"], rec.get("error")
+
+    return test
