@@ -264,6 +264,40 @@ def run_with_ring(layer, md, state_for_kernels, native_call):
     return result
 
 
+def speculative_only(md) -> bool:
+    """A step whose rows are all speculative (MTP verify steps once every request decodes),
+    with the accepted counts its verify commits by (else the wrapper path decides)."""
+    return (md.spec_sequence_masks is not None and md.num_prefills == 0 and md.num_decodes == 0
+            and md.num_accepted_tokens is not None)
+
+
+def verify_step(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
+    """A speculative-only step on CUDA: vLLM's conv update, then the ring's verify on the conv
+    output, written straight into `core_attn_out`. `gdn`: vLLM's GDN layer module, whose conv
+    op and conv-state layout its own `_forward_core` uses.
+
+    The same calls, arguments and order as vLLM's own `_forward_core` makes for such a step
+    (vLLM 0.32 and 0.33), without its unfused Python around them: the q/k/v split and `cat`
+    that our wrapper would undo with another `cat`, the argument binding and the final copy.
+    That path costs the host ~0.5-1 ms per layer in a step too large for a CUDA graph, against
+    0.3 ms for native's fused MTP op (2026-12-04, batch 256, T=3). Nothing else of the ring is
+    due in such a step: no row is a prefill or a plain decode.
+    """
+    n, rows = md.num_actual_tokens, md.num_spec_decodes
+    idx = md.spec_state_indices_tensor
+    conv_state = layer.kv_cache[0] if gdn.is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
+    weight = layer.conv1d.weight
+    x = gdn.causal_conv1d_update(
+        mixed_qkv[:n], conv_state, weight.view(weight.size(0), weight.size(2)), layer.conv1d.bias,
+        layer.activation, conv_state_indices=idx[:, 0][:rows], num_accepted_tokens=md.num_accepted_tokens,
+        query_start_loc=md.spec_query_start_loc, max_query_len=idx.size(-1), validate_data=False)
+    plan = layer.ring_plan
+    kernels.spec_verify(x, a[:n], b[:n], layer.A_log, layer.dt_bias, layer.head_k_dim ** -0.5, layer.kv_cache[1],
+                        core_attn_out[:n], idx[:rows, 0], md.spec_query_start_loc[:rows + 1],
+                        layer.replay_ring, md.num_accepted_tokens, plan.spec_window,
+                        flashinfer=plan.verify_kernel == "flashinfer" and _uniform_windows(md, plan.spec_window))
+
+
 def _uniform_windows(md, window: int) -> bool:
     """Whether every speculative row of this step has exactly `window` tokens (host metadata:
     vLLM >= 0.33 records it, 0.32 has the token and row counts)."""

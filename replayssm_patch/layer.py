@@ -13,6 +13,7 @@ from math import prod
 
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as vllm_gdn
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
 from . import intercept, shadow
@@ -102,6 +103,8 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         native = super()._forward_core
         if md is None:
             return native(mixed_qkv, b, a, core_attn_out)
+        if mixed_qkv.is_cuda and intercept.speculative_only(md):
+            return intercept.verify_step(self, md, mixed_qkv, b, a, core_attn_out, vllm_gdn)
         return intercept.run_with_ring(self, md, self.ring_state(),
                                        lambda: native(mixed_qkv, b, a, core_attn_out))
 

@@ -70,7 +70,9 @@ POINTS = (
         why="the ring needs its tensors in the layer's cache page, its flags in the metadata and its "
             "kernels in the decode path; Olmo and Kimi GDN layers are other classes and stay native",
         how="a subclass extends get_kv_cache_spec / bind_kv_cache with the ring, returns a backend whose "
-            "builder adds the ring fields, and runs vLLM's own _forward_core inside a ring call",
+            "builder adds the ring fields, and runs vLLM's own _forward_core inside a ring call (on CUDA, "
+            "a step of speculative rows alone makes vLLM's conv-update call and the ring's verify itself: "
+            "intercept.verify_step)",
         remove_when="vLLM ships GDN ReplaySSM itself (the seed PR's FlashInfer path)",
         probes=(
             Probe("layer _forward_core", QWEN_GDN, has_method(LAYER_CLASS, "_forward_core",
