@@ -11,7 +11,8 @@ Those module globals are replaced once (patch_points.POINTS) by wrappers that pa
 through unless a `RingCall` is active for the very state tensor they were given; then they run
 the ring kernel on the same inputs, or, on a step the dispatch leaves native
 (`RingCall.native_decode`), flush the rows' rings and call vLLM's kernel. Everything else in
-vLLM's path stays vLLM's.
+vLLM's path stays vLLM's, except on CUDA for a step of speculative rows alone: `verify_step`
+makes vLLM's two calls for it (conv update, verify) without the Python around them.
 """
 
 from __future__ import annotations
@@ -279,9 +280,9 @@ def verify_step(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
     The same calls, arguments and order as vLLM's own `_forward_core` makes for such a step
     (vLLM 0.32 and 0.33), without its unfused Python around them: the q/k/v split and `cat`
     that our wrapper would undo with another `cat`, the argument binding and the final copy.
-    That path costs the host ~0.5-1 ms per layer in a step too large for a CUDA graph, against
-    0.3 ms for native's fused MTP op (2026-12-04, batch 256, T=3). Nothing else of the ring is
-    due in such a step: no row is a prefill or a plain decode.
+    Under the profiler that path cost the host 0.8-1.3 ms per layer call in a step too large for
+    a CUDA graph, against 0.3 ms for native's fused MTP op (2026-12-04, batch 256, T=3). Nothing
+    else of the ring is due in such a step: no row is a prefill or a plain decode.
     """
     n, rows = md.num_actual_tokens, md.num_spec_decodes
     idx = md.spec_state_indices_tensor
