@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host time of one `ring_decode` call: its Python path with the Triton launches stubbed out.
 
-    python benchmarks/host_overhead.py [--baseline DIR] [--tma] [--verify T] [--out results.json]
+    python benchmarks/host_overhead.py [--baseline DIR] [--tma] [--verify T] [--verify-step] [--out results.json]
 
 In eager and piecewise-compiled steps vLLM calls the decode once per GDN layer per step, so
 this time is paid per layer (under a full CUDA graph it is paid only at capture). Runs on the
@@ -12,6 +12,11 @@ package (as in kernel_decode.py) in the same process, interleaved; median of rep
 occupancy lookup as cached after the first call, so the table picks the TMA form where it would
 on an H200 and its launcher (tensor descriptor, constexprs, grid) is timed. `--verify T` adds
 the MTP verify launcher (`ring_verify`, bf16 state and ring, T tokens per row, empty rings).
+`--verify-step` times, per call, what a speculative-only MTP step costs the host around the
+verify call: vLLM's `_forward_core` path with our wrapper in it (`wrapper_path`) against
+`intercept.verify_step` (`verify_step`), the conv and the verify itself stubbed out
+(replayssm_patch.testing.spec_step: a small shape, so that the CPU copies the first path makes
+cost next to nothing, as their launches would on a GPU host; T = 3, `--rows` speculative rows).
 """
 
 from __future__ import annotations
@@ -103,8 +108,12 @@ def main(argv=None):
     ap.add_argument("--tma", action="store_true", help="also time the TMA form's host path (as on Hopper)")
     ap.add_argument("--verify", type=int, default=0, metavar="T",
                     help="also time ring_verify (the MTP verify launcher) with T tokens per row")
+    ap.add_argument("--verify-step", action="store_true",
+                    help="also time a speculative-only step's host path: vLLM's with our wrapper, and verify_step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.verify_step:
+        return verify_step_times(args)
 
     import replayssm_patch._vendored as ours
 
@@ -135,12 +144,39 @@ def main(argv=None):
             row["tma_launch"] = _tma_pick(rows)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
+    _write(args, rows_out, f"median of {args.repeats} interleaved repeats of {args.calls} calls; Triton launches stubbed",
+           {"H": H, "HV": HV, "K": K, "V": V, "L": L})
+
+
+def verify_step_times(args):
+    from replayssm_patch import intercept, kernels
+    from replayssm_patch.testing import spec_step
+
+    kernels.spec_verify = lambda *a, **kw: None  # both paths call it through the module
+    conv = spec_step.ConvStandIn(dim_first=False, identity=True)
+    arms = {"wrapper_path": spec_step.via_wrapper, "verify_step": intercept.verify_step}
+    rows_out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        layer, md, inputs = spec_step.make_step(0, rows=rows, slots=rows + 1)
+        out = torch.zeros(inputs["mixed_qkv"].shape[0], spec_step.HV, spec_step.V)
+        times = {k: [] for k in arms}
+        for _ in range(args.repeats):  # arms interleaved
+            for name, fn in arms.items():
+                t = timeit.timeit(lambda: fn(layer, md, **inputs, core_attn_out=out, gdn=conv), number=args.calls)
+                times[name].append(t / args.calls * 1e6)
+        row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    _write(args, rows_out, "median of {r} interleaved repeats of {c} calls; conv and verify stubbed".format(
+        r=args.repeats, c=args.calls), {"H": spec_step.H, "HV": spec_step.HV, "K": spec_step.K,
+                                        "V": spec_step.V, "L": spec_step.L, "T": spec_step.T})
+
+
+def _write(args, rows_out, method, shape):
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python"] + sys.argv), "machine": platform.machine(), "cpus": os.cpu_count(),
-           "python": sys.version.split()[0], "torch": torch.__version__, "shape": {"H": H, "HV": HV, "K": K, "V": V, "L": L},
-           "method": f"median of {args.repeats} interleaved repeats of {args.calls} calls; Triton launches stubbed",
-           "verify_tokens_per_row": args.verify or None,
-           "baseline": args.baseline, "rows": rows_out}
+           "python": sys.version.split()[0], "torch": torch.__version__, "shape": shape, "method": method,
+           "verify_tokens_per_row": args.verify or None, "baseline": args.baseline, "rows": rows_out}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

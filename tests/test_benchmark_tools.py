@@ -268,6 +268,19 @@ def test_host_overhead_times_both_arms(tmp_path):
     assert [r["tma_launch"] for r in res["rows"]] == ["fused_bv8_w1", "tma_bv16_w2_s1"]  # as the table on Hopper
 
 
+def test_host_overhead_verify_step_times_both_paths(tmp_path):
+    """--verify-step: the speculative-only step's host path, vLLM's with our wrapper and ours."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "step.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_overhead.py"), "--verify-step",
+                    "--rows", "1,8", "--calls", "20", "--repeats", "2", "--out", str(out)], check=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert [r["rows"] for r in res["rows"]] == [1, 8] and res["shape"]["T"] == 3
+    assert all(r["wrapper_path_us"] > 0 and r["verify_step_us"] > 0 for r in res["rows"])
+
+
 def test_kernel_sweep_only_takes_any_launch_and_refuses_a_bad_name(capsys, monkeypatch):
     pytest.importorskip("triton")
     import types
