@@ -17,6 +17,10 @@ verify call: vLLM's `_forward_core` path with our wrapper in it (`wrapper_path`)
 `intercept.verify_step` (`verify_step`), the conv and the verify itself stubbed out
 (replayssm_patch.testing.spec_step: a small shape, so that the CPU copies the first path makes
 cost next to nothing, as their launches would on a GPU host; T = 3, `--rows` speculative rows).
+`--cuda` (on a GPU) launches the kernels for real instead of stubbing them, on CUDA tensors:
+the host time per call then includes Triton's launch path, as long as the GPU keeps up (small
+`--rows`; the queue is drained between repeats); with `--verify-step` only the conv stays a
+stand-in.
 """
 
 from __future__ import annotations
@@ -110,14 +114,21 @@ def main(argv=None):
                     help="also time ring_verify (the MTP verify launcher) with T tokens per row")
     ap.add_argument("--verify-step", action="store_true",
                     help="also time a speculative-only step's host path: vLLM's with our wrapper, and verify_step")
+    ap.add_argument("--cuda", action="store_true",
+                    help="on a GPU: launch the kernels for real (host time including Triton's launch path)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.cuda and (args.tma or args.baseline):
+        ap.error("--cuda: not with --tma or --baseline (the GPU's own launch table and kernels are timed)")
+    if args.cuda and not torch.cuda.is_available():
+        ap.error("--cuda needs a CUDA GPU")
     if args.verify_step:
         return verify_step_times(args)
 
     import replayssm_patch._vendored as ours
 
-    stub_kernels("replayssm_patch._vendored")
+    if not args.cuda:
+        stub_kernels("replayssm_patch._vendored")
     arms = {"ours": ours.ring_decode}
     if args.verify:
         arms["verify"] = ours.ring_verify
@@ -130,13 +141,16 @@ def main(argv=None):
         stub_kernels("baseline_kernels")
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
-        a = decode_args(rows)
-        v = verify_args(rows, args.verify) if args.verify else None
+        dev = "cuda" if args.cuda else "cpu"
+        a = _on(decode_args(rows), dev)
+        v = _on(verify_args(rows, args.verify), dev) if args.verify else None
         times = {k: [] for k in arms}
+        for name, fn in arms.items():  # warm-up: compiles on the GPU
+            fn(*(v if name == "verify" else a))
         for _ in range(args.repeats):  # arms interleaved
             for name, fn in arms.items():
                 fa = v if name == "verify" else a
-                times[name].append(timeit.timeit(lambda: fn(*fa), number=args.calls) / args.calls * 1e6)
+                times[name].append(_time(lambda: fn(*fa), args))
         row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
         if "baseline" in arms:
             row["ours_over_baseline"] = round(row["ours_us"] / row["baseline_us"], 3)
@@ -144,31 +158,48 @@ def main(argv=None):
             row["tma_launch"] = _tma_pick(rows)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-    _write(args, rows_out, f"median of {args.repeats} interleaved repeats of {args.calls} calls; Triton launches stubbed",
+    launches = "Triton launches on the GPU" if args.cuda else "Triton launches stubbed"
+    _write(args, rows_out, f"median of {args.repeats} interleaved repeats of {args.calls} calls; {launches}",
            {"H": H, "HV": HV, "K": K, "V": V, "L": L})
+
+
+def _on(args, dev):
+    return tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in args)
+
+
+def _time(call, args) -> float:
+    """us per call: `args.calls` calls; on CUDA the queue drained before and after."""
+    if args.cuda:
+        torch.cuda.synchronize()
+    us = timeit.timeit(call, number=args.calls) / args.calls * 1e6
+    if args.cuda:
+        torch.cuda.synchronize()
+    return us
 
 
 def verify_step_times(args):
     from replayssm_patch import intercept, kernels
     from replayssm_patch.testing import spec_step
 
-    kernels.spec_verify = lambda *a, **kw: None  # both paths call it through the module
+    if not args.cuda:
+        kernels.spec_verify = lambda *a, **kw: None  # both paths call it through the module
     conv = spec_step.ConvStandIn(dim_first=False, identity=True)
     arms = {"wrapper_path": spec_step.via_wrapper, "verify_step": intercept.verify_step}
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
-        layer, md, inputs = spec_step.make_step(0, rows=rows, slots=rows + 1)
-        out = torch.zeros(inputs["mixed_qkv"].shape[0], spec_step.HV, spec_step.V)
+        layer, md, inputs = spec_step.make_step(0, rows=rows, slots=rows + 1, device="cuda" if args.cuda else "cpu")
+        out = torch.zeros(inputs["mixed_qkv"].shape[0], spec_step.HV, spec_step.V, device=inputs["a"].device)
         times = {k: [] for k in arms}
+        for fn in arms.values():  # warm-up: compiles on the GPU
+            fn(layer, md, **inputs, core_attn_out=out, gdn=conv)
         for _ in range(args.repeats):  # arms interleaved
             for name, fn in arms.items():
-                t = timeit.timeit(lambda: fn(layer, md, **inputs, core_attn_out=out, gdn=conv), number=args.calls)
-                times[name].append(t / args.calls * 1e6)
+                times[name].append(_time(lambda: fn(layer, md, **inputs, core_attn_out=out, gdn=conv), args))
         row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-    _write(args, rows_out, "median of {r} interleaved repeats of {c} calls; conv and verify stubbed".format(
-        r=args.repeats, c=args.calls), {"H": spec_step.H, "HV": spec_step.HV, "K": spec_step.K,
+    _write(args, rows_out, "median of {r} interleaved repeats of {c} calls; conv stubbed, verify {v}".format(
+        r=args.repeats, c=args.calls, v="launched" if args.cuda else "stubbed"), {"H": spec_step.H, "HV": spec_step.HV, "K": spec_step.K,
                                         "V": spec_step.V, "L": spec_step.L, "T": spec_step.T})
 
 
@@ -176,6 +207,7 @@ def _write(args, rows_out, method, shape):
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python"] + sys.argv), "machine": platform.machine(), "cpus": os.cpu_count(),
            "python": sys.version.split()[0], "torch": torch.__version__, "shape": shape, "method": method,
+           "gpu": torch.cuda.get_device_name() if args.cuda else None,
            "verify_tokens_per_row": args.verify or None, "baseline": args.baseline, "rows": rows_out}
     if args.out:
         with open(args.out, "w") as f:

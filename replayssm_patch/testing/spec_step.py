@@ -39,11 +39,11 @@ class ConvStandIn:
         return torch.tanh(1.5 * x + bias)
 
 
-def make_step(seed: int, rows: int = 3, slots: int = 8, pad: int = 2):
+def make_step(seed: int, rows: int = 3, slots: int = 8, pad: int = 2, device="cpu"):
     """(layer, metadata, inputs) of one step of `rows` speculative rows of W tokens each, as
     vLLM's builder lays them out: slot repeated across the T+1 index columns, `pad` padding
     rows and 3 padding tokens past the step's. Rings hold random committed entries and pending
-    windows; accepted counts are 1..W."""
+    windows; accepted counts are 1..W. Drawn on the CPU, then moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
     n = rows * W
     ring = SimpleNamespace(g=-torch.rand(slots, HV, L, generator=gen).cumsum(-1),
@@ -65,7 +65,22 @@ def make_step(seed: int, rows: int = 3, slots: int = 8, pad: int = 2):
     tokens = n + 3
     inputs = dict(mixed_qkv=torch.randn(tokens, DIM, generator=gen), b=torch.randn(tokens, HV, generator=gen),
                   a=torch.randn(tokens, HV, generator=gen))
+    if torch.device(device).type != "cpu":
+        _move(layer, device)
+        _move(md, device)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
     return layer, md, inputs
+
+
+def _move(ns, device):
+    """Every tensor of a namespace (and of the namespaces and tuples it holds) to `device`."""
+    for name, value in vars(ns).items():
+        if isinstance(value, torch.Tensor):
+            setattr(ns, name, value.to(device))
+        elif isinstance(value, tuple):
+            setattr(ns, name, tuple(v.to(device) for v in value))
+        elif isinstance(value, SimpleNamespace):
+            _move(value, device)
 
 
 def _vllm_kernel(**kw):
@@ -91,7 +106,7 @@ def via_wrapper(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
     q, k, v = (fused[: n * H * K].view(1, n, H, K), fused[n * H * K: 2 * n * H * K].view(1, n, H, K),
                fused[2 * n * H * K:].view(1, n, HV, V))
     state = layer.kv_cache[1]
-    flags = torch.zeros(rows, dtype=torch.int8)
+    flags = torch.zeros(rows, dtype=torch.int8, device=state.device)
     call = intercept.RingCall(state.data_ptr(), layer.replay_ring, flags, flags, K ** -0.5, W)
     with intercept.ring_call(call):
         out, _ = _update(A_log=layer.A_log, a=a[:n], b=b[:n], dt_bias=layer.dt_bias, q=q, k=k, v=v,
