@@ -56,17 +56,18 @@ def _finish_reference(d, k, g, cursor, rows_slot, hist, window):
     cursor[rows_slot.long()] = torch.where(real, word, cursor[rows_slot.long()])
 
 
-def _paged(slots, shape, dtype, gen):
+def _paged(slots, shape, dtype, gen, device):
+    """A [slots, *shape] view inside bigger per-slot pages (strided, as the rings in vLLM's cache)."""
     import torch
 
     inner = 1
     for s in shape:
         inner *= s
-    page = torch.randn(slots, 32 + inner + 32, generator=gen).to(dtype)
+    page = torch.randn(slots, 32 + inner + 32, generator=gen).to(dtype).to(device)
     return page[:, 32:32 + inner].view(slots, *shape)
 
 
-def _check_prepare(seed, with_acc):
+def _check_prepare(seed, with_acc, device="cpu"):
     import torch
 
     from replayssm_patch._vendored import pack_cursor, ucache_prepare
@@ -85,8 +86,10 @@ def _check_prepare(seed, with_acc):
         if acc is not None:
             acc[row] = a_i
     want = _prepare_reference(cursor.clone(), slots, acc)
-    got_cursor = cursor.clone()
-    slot_out, hist, base, fold = ucache_prepare(got_cursor, slots, acc, L, LIVE)
+    got_cursor = cursor.to(device)
+    slot_out, hist, base, fold = (t.cpu() for t in ucache_prepare(
+        got_cursor, slots.to(device), None if acc is None else acc.to(device), L, LIVE))
+    got_cursor = got_cursor.cpu()
     for name, g, w in zip(("cursor", "slot", "hist", "fold"), (got_cursor, slot_out, hist, fold), want):
         assert torch.equal(g, w), f"{name}: {g.tolist()} != {w.tolist()}"
     assert torch.equal(base, torch.zeros_like(base))
@@ -104,24 +107,25 @@ def case_prepare_drops_windows_without_counts():
     return _check_prepare(2, with_acc=False)
 
 
-def _check_finish(seed, window):
+def _check_finish(seed, window, device="cpu"):
     import torch
 
     from replayssm_patch._vendored import ucache_finish
 
     gen = torch.Generator().manual_seed(seed)
     nslots, H, HV, K, V = 12, 2, 4, 128, 128
-    d = _paged(nslots, (HV, L, V), torch.bfloat16, gen)
-    k = _paged(nslots, (H, L, K), torch.bfloat16, gen)
-    g = _paged(nslots, (HV, L), torch.float32, gen)
-    cursor = torch.randint(0, 1 << 12, (nslots,), generator=gen).int()
+    d = _paged(nslots, (HV, L, V), torch.bfloat16, gen, device)
+    k = _paged(nslots, (H, L, K), torch.bfloat16, gen, device)
+    g = _paged(nslots, (HV, L), torch.float32, gen, device)
+    cursor = torch.randint(0, 1 << 12, (nslots,), generator=gen).int().to(device)
     slots = torch.tensor([3, 0, 7, 5, 1, 9, 0, 11], dtype=torch.int32)
     # committed counts on both sides of the fold threshold, and the extremes
     hist = torch.tensor([LIVE, 4, LIVE - window + 1, LIVE - window, 0, LIVE - 1, 12, 2], dtype=torch.int32)
     hist[~(slots > 0)] = 0
-    ref = [t.clone() for t in (d, k, g, cursor)]
+    ref = [t.cpu().clone() for t in (d, k, g, cursor)]
     _finish_reference(*ref, slots, hist, window)
-    ucache_finish(d, k, g, cursor, slots, hist, window, LIVE)
+    ucache_finish(d, k, g, cursor, slots.to(device), hist.to(device), window, LIVE)
+    d, k, g, cursor = (t.cpu() for t in (d, k, g, cursor))
     for name, got, want in zip("dkg", (d, k, g), ref[:3]):
         assert torch.equal(got, want), f"ring {name} differs"
     assert torch.equal(cursor, ref[3]), f"cursor {cursor.tolist()} != {ref[3].tolist()}"
