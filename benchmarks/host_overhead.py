@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Host time of one `ring_decode` call: its Python path with the Triton launches stubbed out.
+"""Host time of one `ring_decode` call (and of the MTP verify paths): its Python path with the
+Triton launches stubbed out, or launched for real on a GPU (`--cuda`).
 
     python benchmarks/host_overhead.py [--baseline DIR] [--tma] [--verify T] [--verify-step] [--out results.json]
 
@@ -113,7 +114,7 @@ def main(argv=None):
     ap.add_argument("--verify", type=int, default=0, metavar="T",
                     help="also time ring_verify (the MTP verify launcher) with T tokens per row")
     ap.add_argument("--verify-step", action="store_true",
-                    help="also time a speculative-only step's host path: vLLM's with our wrapper, and verify_step")
+                    help="time instead a speculative-only step's host path: vLLM's with our wrapper, and verify_step")
     ap.add_argument("--cuda", action="store_true",
                     help="on a GPU: launch the kernels for real (host time including Triton's launch path)")
     ap.add_argument("--out", default=None)
@@ -198,9 +199,10 @@ def verify_step_times(args):
         row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-    _write(args, rows_out, "median of {r} interleaved repeats of {c} calls; conv stubbed, verify {v}".format(
-        r=args.repeats, c=args.calls, v="launched" if args.cuda else "stubbed"), {"H": spec_step.H, "HV": spec_step.HV, "K": spec_step.K,
-                                        "V": spec_step.V, "L": spec_step.L, "T": spec_step.T})
+    verify = "launched" if args.cuda else "stubbed"
+    shape = {k: getattr(spec_step, k) for k in ("H", "HV", "K", "V", "L", "T")}
+    _write(args, rows_out, f"median of {args.repeats} interleaved repeats of {args.calls} calls; conv stubbed, "
+           f"verify {verify}", shape)
 
 
 def _write(args, rows_out, method, shape):
