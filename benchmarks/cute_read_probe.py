@@ -31,8 +31,8 @@ Run:
 Timing: each (variant, batch) is a CUDA graph of back-to-back launches that cycles over enough
 copies of (S, q, o) (>= 256 MiB together) that a launch never finds its tiles in L2 from the
 previous one; the time per launch is the median over graph replays (CUDA events) / launches.
-The same is done for a torch.bmm reference. Copy bandwidth is a 1 GiB `dst.copy_(src)`,
-read + write bytes counted. fraction = (bytes read + written by the kernel / copy bandwidth) /
+The same is done for a torch.bmm reference. Copy bandwidth is kernel_decode.py's (a 4 GiB
+`dst.copy_(src)`, read + write bytes counted), the measure its roofline fractions use. fraction = (bytes read + written by the kernel / copy bandwidth) /
 kernel time: 1.0 would be a kernel as fast as a copy of its bytes.
 """
 
@@ -56,7 +56,6 @@ SMEM_RESERVED_PER_CTA = 1024  # the system's share of each CTA's shared memory
 L2_SAFE_BYTES = 256 << 20  # (S, q, o) copies a timing graph cycles through, so L2 never holds them
 LAUNCHES_PER_GRAPH = 20
 REPS = 30
-COPY_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -261,8 +260,20 @@ def compile_only() -> int:
 # GPU run
 # ---------------------------------------------------------------------------------------------
 
+def _kernel_decode():
+    """benchmarks/kernel_decode.py, whose timing and copy-bandwidth helpers the GPU run shares
+    (imported here only: it needs torch, which --compile-only does not)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import kernel_decode
+
+    return kernel_decode
+
+
 def _graph_time_us(torch, launches, reps=REPS):
-    """Capture `launches` (callables) in one CUDA graph; median us per launch over replays."""
+    """Capture `launches` (callables) in one CUDA graph; median us per launch over replays
+    (kernel_decode.time_graphs: CUDA events, warm-up replays first)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -274,39 +285,8 @@ def _graph_time_us(torch, launches, reps=REPS):
     with torch.cuda.graph(graph):
         for f in launches:
             f()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(launches))
-    return statistics.median(times)
-
-
-def _copy_bandwidth(torch):
-    """Bytes/s of a 1 GiB device-to-device copy, read + write counted."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    src.fill_(1)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e-3)
-    del src, dst
-    return 2 * COPY_BYTES / statistics.median(times)
+    ms = _kernel_decode().time_graphs({"probe": graph}, reps)["probe"]
+    return statistics.median(ms) * 1e3 / len(launches)
 
 
 @dataclass
@@ -344,7 +324,7 @@ def gpu_run(out_dir: str) -> int:
 
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
-    copy_bw = _copy_bandwidth(torch)
+    copy_bw = _kernel_decode().copy_bandwidth()  # the same measure as the kernel benchmark's roofline
     print(f"{props.name}: {sms} SMs, copy bandwidth {copy_bw / 1e12:.3f} TB/s", flush=True)
 
     def current_stream():  # inside graph capture this is the capturing stream
@@ -415,7 +395,7 @@ def gpu_run(out_dir: str) -> int:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(out_dir, "cute_read_probe.md"), "w") as f:
         f.write(f"# CuTe DSL TMA read probe: {props.name}, {sms} SMs\n\n"
-                f"Copy bandwidth {copy_bw / 1e12:.3f} TB/s (1 GiB copy, read + write). "
+                f"Copy bandwidth {copy_bw / 1e12:.3f} TB/s (kernel_decode.copy_bandwidth: 4 GiB copy, read + write). "
                 f"torch {torch.__version__}, nvidia-cutlass-dsl {meta['cutlass_dsl']}, {meta['date']}.\n"
                 f"Method: {meta['method']}.\n\n`{meta['command']}`\n\n"
                 "| state | B | MiB | best variant | us | GB/s | fraction | torch.bmm us | bmm fraction |\n"

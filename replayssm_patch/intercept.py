@@ -255,7 +255,7 @@ def run_with_ring(layer, md, state_for_kernels, native_call):
     plan = layer.ring_plan
     call = RingCall(layer.kv_cache[1].data_ptr(), ring, md.ring_force_flush, md.ring_start_empty,
                     layer.head_k_dim ** -0.5, plan.spec_window, native_decode=not md.ring_decode,
-                    flashinfer_verify=plan.verify_kernel == "flashinfer" and _uniform_windows(md, plan.spec_window))
+                    flashinfer_verify=_flashinfer_serves(plan, md))
     with ring_call(call):
         result = native_call()
     if md.ring_prefill_slots is not None:
@@ -296,7 +296,13 @@ def verify_step(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
     kernels.spec_verify(x, a[:n], b[:n], layer.A_log, layer.dt_bias, layer.head_k_dim ** -0.5, layer.kv_cache[1],
                         core_attn_out[:n], idx[:rows, 0], md.spec_query_start_loc[:rows + 1],
                         layer.replay_ring, md.num_accepted_tokens, plan.spec_window,
-                        flashinfer=plan.verify_kernel == "flashinfer" and _uniform_windows(md, plan.spec_window))
+                        flashinfer=_flashinfer_serves(plan, md))
+
+
+def _flashinfer_serves(plan, md) -> bool:
+    """FlashInfer's verify kernel serves this step: the plan chose it and every speculative row
+    has exactly the plan's window (else ours runs on the same rings)."""
+    return plan.verify_kernel == "flashinfer" and _uniform_windows(md, plan.spec_window)
 
 
 def _uniform_windows(md, window: int) -> bool:

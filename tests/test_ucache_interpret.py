@@ -147,26 +147,23 @@ def case_rejects_bad_inputs():
 
     from replayssm_patch._vendored import ucache_finish, ucache_prepare
 
+    def refuses(fn, good, bad):
+        """fn(**good) with each bad argument in turn raises a ValueError naming it."""
+        for name, value in bad.items():
+            try:
+                fn(**(good | {name: value}))
+            except ValueError as e:
+                assert name in str(e), e
+            else:
+                raise AssertionError(f"{fn.__name__} accepted a bad {name}")
+
     cursor = torch.zeros(8, dtype=torch.int32)
     slots = torch.tensor([1, 2], dtype=torch.int32)
-    for kw, name in ((dict(L=300), "L"), (dict(live_rows=40), "live_rows")):
-        args = dict(cursor=cursor, slots=slots, num_accepted=None, L=L, live_rows=LIVE) | kw
-        try:
-            ucache_prepare(**args)
-        except ValueError as e:
-            assert name in str(e), e
-        else:
-            raise AssertionError(f"ucache_prepare accepted a bad {name}")
+    refuses(ucache_prepare, dict(cursor=cursor, slots=slots, num_accepted=None, L=L, live_rows=LIVE),
+            dict(L=300, live_rows=40))
     d, k, g = torch.zeros(8, 4, L, 128), torch.zeros(8, 2, L, 128), torch.zeros(8, 4, L)
-    for kw, name in ((dict(window=6), "window"), (dict(hist=slots.long()), "hist")):
-        args = dict(ring_d=d, ring_k=k, ring_g=g, cursor=cursor, slots=slots, hist=slots.clone(), window=4,
-                    live_rows=LIVE) | kw
-        try:
-            ucache_finish(**args)
-        except ValueError as e:
-            assert name in str(e), e
-        else:
-            raise AssertionError(f"ucache_finish accepted a bad {name}")
+    refuses(ucache_finish, dict(ring_d=d, ring_k=k, ring_g=g, cursor=cursor, slots=slots, hist=slots.clone(),
+                                window=4, live_rows=LIVE), dict(window=6, hist=slots.long()))
     return {}
 
 
