@@ -41,7 +41,7 @@
 # Kernel-only steps need no install, just vLLM's .py files for the native kernel (a tarball of
 # the vllm/ tree of the 0.33.0 wheel, *.py only, ~7 MB, e.g. .work/vl033.tar.xz):
 #   bash benchmarks/gpu_run.sh vltree .work/vl033.tar.xz   # unpack it to /tmp/vl
-#   bash benchmarks/gpu_run.sh ktest                        # tests/gpu, errors to $OUT
+#   bash benchmarks/gpu_run.sh ktest                        # tests/gpu ($KTESTS), output and errors to $OUT
 #   bash benchmarks/gpu_run.sh kbench [kernel_decode.py args]
 #   bash benchmarks/gpu_run.sh kab DIR [LABEL [TEST_REPORT]]   # the kernel benchmark once per ring
 #     dtype (bf16 ring: every state dtype; fp32 ring: fp32 state), each with the kernel package
@@ -161,7 +161,8 @@ case "${1:?step}" in
   vltree)
     mkdir -p /tmp/vl && tar xJf "${2:?tarball}" -C /tmp/vl && ls /tmp/vl ;;
   ktest)
-    RING_KERNEL_GPU_REPORT="$OUT/gpu_test_errors.jsonl" python3 -m pytest -q -n 8 ${KTESTS:-tests/gpu/test_ring_kernel_gpu.py} 2>&1 | tail -15 ;;
+    RING_KERNEL_GPU_REPORT="$OUT/gpu_test_errors.jsonl" python3 -m pytest -q -n 8 ${KTESTS:-tests/gpu/test_ring_kernel_gpu.py} 2>&1 \
+      | tee "$OUT/ktest_full.log" | tail -15 ;;  # the full log keeps the failures' tracebacks
   kbench)
     shift; python3 benchmarks/kernel_decode.py --vllm-root /tmp/vl --out-dir "$OUT" "$@" 2>&1 | tail -80 ;;
   kab)

@@ -21,13 +21,17 @@ cost next to nothing, as their launches would on a GPU host; T = 3, `--rows` spe
 `--cuda` (on a GPU) launches the kernels for real instead of stubbing them, on CUDA tensors:
 the host time per call then includes Triton's launch path, as long as the GPU keeps up (small
 `--rows`; the queue is drained between repeats); with `--verify-step` only the conv stays a
-stand-in.
+stand-in. `--floor` (with `--cuda`) adds what launching alone costs this host: an empty Triton
+kernel with 1 and with 32 arguments (16 tensors, 16 ints) and one small torch op.
+`--cprofile N` profiles N more calls of every arm with cProfile and keeps, per arm, the
+functions with the most own time (us per call), so a slow host path shows where it goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import json
 import os
@@ -117,8 +121,14 @@ def main(argv=None):
                     help="time instead a speculative-only step's host path: vLLM's with our wrapper, and verify_step")
     ap.add_argument("--cuda", action="store_true",
                     help="on a GPU: launch the kernels for real (host time including Triton's launch path)")
+    ap.add_argument("--floor", action="store_true",
+                    help="with --cuda: also time empty Triton launches (1 and 32 arguments) and one torch op")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also profile N calls of each arm with cProfile (top functions by own time)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.floor and not args.cuda:
+        ap.error("--floor needs --cuda (a stubbed launch costs nothing)")
     if args.cuda and (args.tma or args.baseline):
         ap.error("--cuda: not with --tma or --baseline (the GPU's own launch table and kernels are timed)")
     if args.cuda and not torch.cuda.is_available():
@@ -145,20 +155,16 @@ def main(argv=None):
         dev = "cuda" if args.cuda else "cpu"
         a = _on(decode_args(rows), dev)
         v = _on(verify_args(rows, args.verify), dev) if args.verify else None
-        times = {k: [] for k in arms}
-        for name, fn in arms.items():  # warm-up: compiles on the GPU
-            fn(*(v if name == "verify" else a))
-        for _ in range(args.repeats):  # arms interleaved
-            for name, fn in arms.items():
-                fa = v if name == "verify" else a
-                times[name].append(_time(lambda: fn(*fa), args))
-        row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
+        calls = {name: functools.partial(fn, *(v if name == "verify" else a)) for name, fn in arms.items()}
+        if args.floor:
+            calls.update(floor_calls())
+        row = {"rows": rows, **_time_arms(calls, args)}
         if "baseline" in arms:
             row["ours_over_baseline"] = round(row["ours_us"] / row["baseline_us"], 3)
         if args.tma:
             row["tma_launch"] = _tma_pick(rows)
         rows_out.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "cprofile"}), flush=True)
     launches = "Triton launches on the GPU" if args.cuda else "Triton launches stubbed"
     _write(args, rows_out, f"median of {args.repeats} interleaved repeats of {args.calls} calls; {launches}",
            {"H": H, "HV": HV, "K": K, "V": V, "L": L})
@@ -166,6 +172,63 @@ def main(argv=None):
 
 def _on(args, dev):
     return tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in args)
+
+
+def floor_calls() -> dict:
+    """What launching alone costs: empty Triton kernels (1 and 32 arguments), one torch op."""
+    import triton
+
+    @triton.jit
+    def _empty1_kernel(p0):
+        pass
+
+    @triton.jit
+    def _empty32_kernel(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15,
+                        i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15):
+        pass
+
+    ts = [torch.zeros(64, device="cuda") for _ in range(16)]
+    ints = [3 + 16 * i for i in range(16)]  # neither 1 nor a multiple of 16: no specialisation
+    y = torch.empty(64, device="cuda")
+    return {"triton_empty_1arg": lambda: _empty1_kernel[(1,)](ts[0]),
+            "triton_empty_32args": lambda: _empty32_kernel[(1,)](*ts, *ints),
+            "torch_copy": lambda: y.copy_(ts[0])}
+
+
+def _time_arms(calls: dict, args) -> dict:
+    """us per call of each arm (median of interleaved repeats) and, with --cprofile, the top
+    functions of each arm by own time."""
+    for call in calls.values():  # warm-up: compiles on the GPU
+        call()
+    times = {k: [] for k in calls}
+    for _ in range(args.repeats):  # arms interleaved
+        for name, call in calls.items():
+            times[name].append(_time(call, args))
+    res = {f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}
+    if args.cprofile:
+        res["cprofile"] = {k: _profile(call, args) for k, call in calls.items()}
+    return res
+
+
+def _profile(call, args, top: int = 15) -> list:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    if args.cuda:
+        torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(args.cprofile):
+        call()
+    prof.disable()
+    if args.cuda:
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    worst = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    n = args.cprofile
+    return [{"function": f"{os.path.basename(f)}:{line}({name})", "calls": round(nc / n, 2),
+             "own_us": round(tt / n * 1e6, 2), "cumulative_us": round(ct / n * 1e6, 2)}
+            for (f, line, name), (_, nc, tt, ct, _) in worst]
 
 
 def _time(call, args) -> float:
@@ -190,15 +253,13 @@ def verify_step_times(args):
     for rows in (int(r) for r in args.rows.split(",")):
         layer, md, inputs = spec_step.make_step(0, rows=rows, slots=rows + 1, device="cuda" if args.cuda else "cpu")
         out = torch.zeros(inputs["mixed_qkv"].shape[0], spec_step.HV, spec_step.V, device=inputs["a"].device)
-        times = {k: [] for k in arms}
-        for fn in arms.values():  # warm-up: compiles on the GPU
-            fn(layer, md, **inputs, core_attn_out=out, gdn=conv)
-        for _ in range(args.repeats):  # arms interleaved
-            for name, fn in arms.items():
-                times[name].append(_time(lambda: fn(layer, md, **inputs, core_attn_out=out, gdn=conv), args))
-        row = {"rows": rows, **{f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()}}
+        calls = {name: functools.partial(fn, layer, md, **inputs, core_attn_out=out, gdn=conv)
+                 for name, fn in arms.items()}
+        if args.floor:
+            calls.update(floor_calls())
+        row = {"rows": rows, **_time_arms(calls, args)}
         rows_out.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "cprofile"}), flush=True)
     verify = "launched" if args.cuda else "stubbed"
     shape = {k: getattr(spec_step, k) for k in ("H", "HV", "K", "V", "L", "T")}
     _write(args, rows_out, f"median of {args.repeats} interleaved repeats of {args.calls} calls; conv stubbed, "

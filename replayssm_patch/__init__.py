@@ -49,10 +49,11 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
         ours) or "flashinfer" (FlashInfer's ReplaySSM MTP kernel writing the same rings: 2.3-5.0x
         ours in the H200 kernel benchmark; bf16 state, num_speculative_tokens 3 or 7, Hopper or
         newer, flashinfer-python with nvidia-cutlass-dsl installed; a config it cannot serve
-        stays native with the reason logged). Experimental: GPU-tested against ours; end to end
-        (bf16 state, H200) 14/16 requests identical to native and 0.70-0.80x native's speed at
-        batch 16, where ours is 16/16 and 0.96x, with its ring bookkeeping then ~30 torch ops per
-        call; that bookkeeping is two kernels since, not yet measured end to end.
+        stays native with the reason logged). Experimental: end to end (bf16 state, H200) 14/16
+        requests identical to native and 0.70-0.80x native's speed at batch 16, where ours is
+        16/16 and 0.96x, with its ring bookkeeping then ~30 torch ops per call. That bookkeeping
+        is two kernels since, whose first GPU run failed the tests against ours (unaligned
+        tensors handed to FlashInfer; fixed, not yet re-run on a GPU).
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """

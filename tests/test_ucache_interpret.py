@@ -142,6 +142,23 @@ def case_finish_window_8():
     return _check_finish(4, 8)
 
 
+def case_prepare_outputs_aligned():
+    """FlashInfer assumes 16-byte aligned int32 row tensors: every row count gets them."""
+    import torch
+
+    from replayssm_patch._vendored import ucache_prepare
+
+    cursor = torch.zeros(16, dtype=torch.int32)
+    for rows in range(1, 10):
+        slots = torch.arange(1, rows + 1, dtype=torch.int32)
+        outs = ucache_prepare(cursor, slots, None, L, LIVE)
+        for name, t in zip(("slot", "hist", "base", "fold"), outs):
+            assert t.is_contiguous() and t.shape == (rows,), (name, t.shape, t.stride())
+            assert t.data_ptr() % 16 == 0, f"rows={rows}: {name} starts at {t.data_ptr() % 16} mod 16"
+        assert torch.equal(outs[0], slots)
+    return {"rows": "1-9"}
+
+
 def case_rejects_bad_inputs():
     import torch
 
@@ -167,8 +184,8 @@ def case_rejects_bad_inputs():
     return {}
 
 
-CASES = [case_prepare_with_accepted_counts, case_prepare_drops_windows_without_counts, case_finish_window_4,
-         case_finish_window_8, case_rejects_bad_inputs]
+CASES = [case_prepare_with_accepted_counts, case_prepare_drops_windows_without_counts, case_prepare_outputs_aligned,
+         case_finish_window_4, case_finish_window_8, case_rejects_bad_inputs]
 
 
 test_ucache_bookkeeping_interpreted = interpreted_test(__file__, CASES)

@@ -77,12 +77,16 @@ def _ucache_finish_kernel(ring_d, ring_k, ring_g, cursor, slots, hist,
 def ucache_prepare(cursor: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor | None, L: int,
                    live_rows: int):
     """Commit each row's previous window (num_accepted None drops it) and return, per row,
-    (slot int32, hist int32, base int32 zeros, fold slots int32) for the ucache kernel."""
+    (slot int32, hist int32, base int32 zeros, fold slots int32) for the ucache kernel, each
+    contiguous and 16-byte aligned."""
     acc, s_acc = check_commit_args(cursor, slots, num_accepted, L, "slots")
     if not isinstance(live_rows, int) or not 1 <= live_rows <= L:
         raise ValueError(f"live_rows must be an int in [1, L={L}] (got {live_rows!r})")
     rows = slots.shape[0]
-    slot_out, hist, base, fold = torch.empty((4, rows), dtype=torch.int32, device=cursor.device)
+    # Each output starts 16-byte aligned: FlashInfer takes them through DLPack with that
+    # alignment assumed (an unpadded [4, rows] buffer failed its GPU test at rows = 7).
+    padded = -(-rows // 4) * 4
+    slot_out, hist, base, fold = torch.empty((4, padded), dtype=torch.int32, device=cursor.device)[:, :rows]
     if rows:
         _ucache_prepare_kernel[(triton.cdiv(rows, _BLOCK),)](
             cursor, slots, acc if acc is not None else slots, slot_out, hist, base, fold, rows,
