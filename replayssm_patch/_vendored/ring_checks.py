@@ -29,12 +29,31 @@ def slot_stride(t: torch.Tensor, name: str) -> int:
     return stride[0]
 
 
+# Accepted layouts -> ring_geometry's answer. Its checks and answer depend only on each
+# tensor's shape, strides, dtype and device, which cost a quarter of the checks to read; a
+# layer passes the same ring every call (the launchers' host time is paid per layer and step).
+_GEOMETRY: dict = {}
+_GEOMETRY_MAX = 256
+
+
 def ring_geometry(state, ring_d, ring_k, ring_g, cursor, max_len: int):
     """Check the checkpoint + ring tensors; return (H, HV, K, V, L, slot strides).
 
     state [slots, HV, V, K], ring_d [slots, HV, L, V], ring_k [slots, H, L, K], ring_g
     [slots, HV, L] float32, cursor [slots] int32 contiguous; 1 <= L <= max_len.
     """
+    layout = (max_len,) + tuple((t.shape, t.stride(), t.dtype, t.device)
+                                for t in (state, ring_d, ring_k, ring_g, cursor))
+    geometry = _GEOMETRY.get(layout)
+    if geometry is None:
+        geometry = _check_ring_geometry(state, ring_d, ring_k, ring_g, cursor, max_len)
+        if len(_GEOMETRY) >= _GEOMETRY_MAX:
+            _GEOMETRY.clear()
+        _GEOMETRY[layout] = geometry
+    return geometry
+
+
+def _check_ring_geometry(state, ring_d, ring_k, ring_g, cursor, max_len: int):
     if state.ndim != 4:
         raise ValueError(f"state must be [slots, HV, V, K] (got {tuple(state.shape)})")
     slots, HV, V, K = state.shape
