@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadataBuilder,
 )
 
+from . import _vendored as lib
 from . import versions
 from .kernels import counters
 
@@ -136,15 +137,19 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         rows = m.num_reqs
         qsl = m.query_start_loc[: rows + 1]
         seq = m.seq_lens[:rows]  # tokens computed after this step
-        computed = seq - (qsl[1:] - qsl[:-1])  # ... and before it
         force = self.ring_force_flush[:rows]
         empty = self.ring_start_empty[:rows]
-        if self.align:
-            force.copy_(torch.remainder(seq, self.block_size) == 0)
-            empty.copy_(torch.remainder(computed, self.block_size) == 0)
-        else:
-            force.zero_()
-            empty.copy_(computed == 0)
+        if force.is_cuda:  # one launch, where each torch op below is one (paid every step)
+            lib.ring_flags(qsl, seq, self.ring_force_flush, self.ring_start_empty, rows,
+                           self.block_size if self.align else None)
+        else:  # the same flags (see _vendored/ring_flags.py)
+            computed = seq - (qsl[1:] - qsl[:-1])  # tokens computed before this step
+            if self.align:
+                force.copy_(torch.remainder(seq, self.block_size) == 0)
+                empty.copy_(torch.remainder(computed, self.block_size) == 0)
+            else:
+                force.zero_()
+                empty.copy_(computed == 0)
         out = {"ring_force_flush": self.ring_force_flush, "ring_start_empty": self.ring_start_empty}
         if md.num_spec_decodes == 0:
             out.update(self._prefill_slots(md, empty))

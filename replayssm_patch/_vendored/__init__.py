@@ -4,7 +4,8 @@ The public API is exported here. The Triton kernels load on first use, so the to
 references import (and run) where triton is missing or cannot initialise.
 
     kernels     ring_decode, ring_materialize, ring_reset, ring_verify, ring_commit;
-                ucache_prepare, ucache_finish (the bookkeeping around FlashInfer's verify kernel)
+                ucache_prepare, ucache_finish (the bookkeeping around FlashInfer's verify kernel);
+                ring_flags (a step's per-row flags, for the metadata builder)
     launches    DecodeLaunch, VerifyLaunch, DECODE_TABLE, pick_decode_launch, override_launch
     references  ring_decode_reference, ring_materialize_reference, ring_reset_reference,
                 ring_spec_verify_reference, ring_commit_pending_reference,
@@ -12,7 +13,7 @@ references import (and run) where triton is missing or cannot initialise.
     cursor      pack_cursor, unpack_cursor (the verify kernels' packed cursor word)
 
 Modules: decode (entry) with decode_fused / decode_two_phase / decode_replay (one per launch
-form) and decode_shared; materialize; verify; ucache; launch (selection); ring_reference and
+form) and decode_shared; materialize; verify; ucache; ring_flags; launch (selection); ring_reference and
 gdn_reference (float64-capable torch references); ring_checks (argument checks); gdn_gates.
 """
 
@@ -28,6 +29,7 @@ _EXPORTS = {
     "ring_commit": "verify",
     "ucache_prepare": "ucache",
     "ucache_finish": "ucache",
+    "ring_flags": "ring_flags",
     "DecodeLaunch": "launch",
     "VerifyLaunch": "launch",
     "DECODE_TABLE": "launch",
