@@ -13,8 +13,9 @@ references import (and run) where triton is missing or cannot initialise.
     cursor      pack_cursor, unpack_cursor (the verify kernels' packed cursor word)
 
 Modules: decode (entry) with decode_fused / decode_two_phase / decode_replay (one per launch
-form) and decode_shared; materialize; verify; ucache; ring_flags; launch (selection); ring_reference and
-gdn_reference (float64-capable torch references); ring_checks (argument checks); gdn_gates.
+form) and decode_shared; materialize; verify; ucache; ring_flags; launch (selection);
+ring_reference and gdn_reference (float64-capable torch references); ring_checks (argument
+checks); gdn_gates.
 """
 
 from __future__ import annotations
