@@ -137,22 +137,11 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         rows = m.num_reqs
         qsl = m.query_start_loc[: rows + 1]
         seq = m.seq_lens[:rows]  # tokens computed after this step
-        force = self.ring_force_flush[:rows]
-        empty = self.ring_start_empty[:rows]
-        if force.is_cuda:  # one launch, where each torch op below is one (paid every step)
-            lib.ring_flags(qsl, seq, self.ring_force_flush, self.ring_start_empty, rows,
-                           self.block_size if self.align else None)
-        else:  # the same flags (see _vendored/ring_flags.py)
-            computed = seq - (qsl[1:] - qsl[:-1])  # tokens computed before this step
-            if self.align:
-                force.copy_(torch.remainder(seq, self.block_size) == 0)
-                empty.copy_(torch.remainder(computed, self.block_size) == 0)
-            else:
-                force.zero_()
-                empty.copy_(computed == 0)
+        fill_ring_flags(qsl, seq, self.ring_force_flush, self.ring_start_empty, rows,
+                        self.block_size if self.align else None)
         out = {"ring_force_flush": self.ring_force_flush, "ring_start_empty": self.ring_start_empty}
         if md.num_spec_decodes == 0:
-            out.update(self._prefill_slots(md, empty))
+            out.update(self._prefill_slots(md, self.ring_start_empty[:rows]))
         return out
 
     @staticmethod
@@ -172,6 +161,24 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         re-gathers the state indices; the ring flags are batch-level and stay shared."""
         md = super().update_block_table(metadata, blk_table, slot_mapping)
         return replace(md, **self._prefill_slots(md, md.ring_start_empty))
+
+
+def fill_ring_flags(qsl, seq, force, empty, rows: int, block_size: int | None) -> None:
+    """Rows 0..rows-1 of the flag buffers for this step, from `query_start_loc` and `seq_lens`
+    (`block_size`: the prefix-cache block in align mode, else None; the formulas are in
+    _vendored/ring_flags.py). On CUDA one launch, where each torch op below would be one, paid
+    every step on the host; tests/test_ring_flags_interpret.py checks the two agree."""
+    if force.is_cuda:
+        lib.ring_flags(qsl, seq, force, empty, rows, block_size)
+        return
+    computed = seq - (qsl[1:] - qsl[:-1])  # tokens computed before this step
+    force, empty = force[:rows], empty[:rows]
+    if block_size is None:
+        force.zero_()
+        empty.copy_(computed == 0)
+    else:
+        force.copy_(torch.remainder(seq, block_size) == 0)
+        empty.copy_(torch.remainder(computed, block_size) == 0)
 
 
 class ReplayGDNAttentionBackend(GDNAttentionBackend):

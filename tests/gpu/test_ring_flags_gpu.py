@@ -1,6 +1,6 @@
 """The metadata builder's flag kernel (`_vendored/ring_flags.py`) on a CUDA GPU: the checks of
-tests/test_ring_flags_interpret.py (torch reference, fresh random steps, strided int32 / int64
-metadata, poisoned flag buffers) with the kernel compiled for the GPU. Skipped without CUDA.
+tests/test_ring_flags_interpret.py (the builder's torch ops as reference, fresh random steps,
+contiguous and strided int32 / int64 metadata, padding rows, poisoned flag buffers) with the kernel compiled for the GPU. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ checks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(checks)
 
 
-@pytest.mark.parametrize("block_size,dtype", [(16, "int32"), (528, "int64"), (None, "int32")])
-def test_flags_on_the_gpu(block_size, dtype):
-    checks.check_flags(40 + (block_size or 0), block_size, dtype, device="cuda")
+@pytest.mark.parametrize("block_size,dtype,strided", [(16, "int32", False), (528, "int64", True),
+                                                     (None, "int32", False), (None, "int32", True)])
+def test_flags_on_the_gpu(block_size, dtype, strided):
+    checks.check_flags(40 + (block_size or 0), block_size, dtype, strided, device="cuda")
