@@ -20,6 +20,27 @@ import traceback
 PREFIX = "RESULT "
 
 
+def refuses(fn, good: dict, bad: dict) -> None:
+    """fn(**good) with each bad argument in turn raises a ValueError naming it."""
+    for name, value in bad.items():
+        try:
+            fn(**(good | {name: value}))
+        except ValueError as e:
+            assert name in str(e), e
+        else:
+            raise AssertionError(f"{fn.__name__} accepted a bad {name}")
+
+
+def load_checks(script: str):
+    """An interpreter test module loaded by path, so a GPU twin (tests/gpu/) runs its checks on
+    CUDA tensors; `script` is the test file's path."""
+    name = os.path.splitext(os.path.basename(script))[0] + "_checks"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cases(cases, only=()) -> int:
     """Run each check (a function returning a JSON-able dict); print one RESULT line each."""
     for case in cases:

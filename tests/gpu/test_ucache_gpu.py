@@ -7,10 +7,11 @@ GPU, so they are tested there even where FlashInfer itself does not import
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
+
+from replayssm_patch.testing.interpreted import load_checks
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -19,10 +20,7 @@ pytest.importorskip("triton")
 
 pytestmark = pytest.mark.gpu
 
-_spec = importlib.util.spec_from_file_location(
-    "ucache_checks", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test_ucache_interpret.py"))
-checks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checks)
+checks = load_checks(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test_ucache_interpret.py"))
 
 
 @pytest.mark.parametrize("with_acc", [True, False])
