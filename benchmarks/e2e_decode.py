@@ -3,35 +3,40 @@
 A Qwen3.5-shaped dense model (`--shape 9b`: hidden 4096, 32 layers of which 24 GDN with 16 key
 / 32 value heads of 128; `--shape 4b`: hidden 2560, intermediate 9216, the same 24 GDN layers,
 attention 16 query / 4 KV heads of 256, where GDN's share of the step is larger; dummy
-weights, config written locally), fixed prompt and output lengths, `ignore_eos`. Each arm
-(native, patched) runs in its own process and measures every batch size in one engine. Per
-batch size it times a generate() with 1 output token and one with `--out-len` tokens; the
-difference is the decode time of `out_len - 1` steps, so prefill and time to first token are
-excluded.
+weights, config written locally), fixed prompt and output lengths, `ignore_eos`. Per batch size
+a measurement times a generate() with 1 output token (best of two) and one with `--out-len`
+tokens; the difference is the decode time of `out_len - 1` steps, so prefill and time to first
+token are excluded.
 
-    python benchmarks/e2e_decode.py --out e2e.json [--batches 1,16,64,128,256,512] [--order ABBAAB]
-        [--shape 9b|4b] [--tp N] [--gdn-heads HK,HV] [--mtp T] [--profile-batches 64,256]
+    python benchmarks/e2e_decode.py --out e2e.json [--batches 1,16,64,128,256] [--pairs 5]
+        [--gpu-util 0.45] [--shape 9b|4b] [--tp N] [--gdn-heads HK,HV] [--mtp T] [--profile-batches 64,256]
     python benchmarks/e2e_decode.py --merge a.json b.json --out e2e.json --plot e2e.png   # no GPU
 
-The same arm varies by up to 22% between runs, so one pair decides nothing: `--order` runs the
-arms interleaved, and consecutive runs form pairs (AB, BA, ...); each pair gives one
-patched/native ratio per batch size, and the summary reports their median with min and max
-(`--order ABBAAB`, the default: 3 pairs).
+Both arms run in one process, as two engines on the same GPU(s), each given `--gpu-util` of the
+memory: the native engine is built first, then patch() is called and the patched engine is built
+(vLLM's engine-core processes take the patch from the environment, through the plugin). Per batch
+size the arms then alternate, pair after pair (A B, B A, A B, ...), seconds apart. One arm's step
+time varied by up to 22% between processes started minutes apart on the same machine (host
+speed drifts), so arms in separate processes needed many pairs to say anything; here the drift
+reaches both arms of a pair alike. Each pair gives one patched/native ratio per batch size, and
+the summary reports their median with min and max. The engines' logs go to
+`WORKDIR/engines.log`; the run stops if the native engine's log shows the ring, if the patched
+engine's does not (or, with `--mtp`, names another verify kernel than `--mtp-kernel`), or if
+either engine has room for fewer requests than the largest batch (raise `--gpu-util`).
 
-`--tp N` runs both arms with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
+`--tp N` runs both engines with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
 (16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
 with T drafts to both arms (the patched arm opts in with patch(allow_mtp_cuda=True), as MTP
 on CUDA stays native by default; prefix caching off in both; with dummy weights drafts are rarely
 accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
 counters are recorded per arm). `--mtp-kernel flashinfer` gives the patched arm FlashInfer's
-verify kernel (patch(mtp_kernel=...): the option is patch()'s argument here, so the environment
-variable does not reach the arm); the run stops if the patched engine's log does not name it.
+verify kernel (patch(mtp_kernel=...)).
 
-`--profile-batches B,...` adds, after each listed batch's timings, a torch-profiler trace of 8
-decode steps of that batch in each run (vLLM's `profiler_config`, steps 9-16 of a 32-token
-generate, so past the prefill) and reports per run the GPU time per kernel name, the GPU-busy
-time and the span of those steps: where a patched step's extra time goes (kernels, or idle GPU
-waiting on the host). The table gives both per step beside the wall time.
+`--profile-batches B,...` adds, after each listed batch's pairs, a torch-profiler trace of 16
+decode steps of that batch per engine (vLLM's `profiler_config`, after the prefill) and reports
+the GPU time per kernel name, the GPU-busy time and the span of those steps: where a patched
+step's extra time goes (kernels, or idle GPU waiting on the host). The table gives both per step
+beside the wall time.
 
 The Amdahl bound per batch size is computed from the native step time and, when given
 (`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
@@ -43,9 +48,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import glob
 import gzip
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -81,67 +87,154 @@ def model_config(args) -> dict:
     return cfg
 
 
-def arm(args) -> None:
-    """One arm in this process: print RESULT_JSON with per-batch timings."""
-    if args.patched:
-        import replayssm_patch
+ARMS = ("native", "patched")
 
-        # MTP on CUDA goes through the ring only when opted in; patch() also sets
-        # VLLM_GDN_REPLAYSSM_MTP_CUDA=1 for the engine's processes
-        report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
-                                       allow_mtp_cuda=bool(args.mtp), min_batch=args.min_batch, mtp_kernel=args.mtp_kernel,
-                                       allow_16bit_state=args.state_dtype in ("bfloat16", "float16"))
-        assert report["applied"], report
-    from vllm import LLM, SamplingParams
 
-    batches = [int(b) for b in args.batches.split(",")]
+def engine_kwargs(args, batches) -> dict:
+    """The LLM() arguments both engines share (vLLM's default compilation and graphs unless
+    --compile-mode / --cudagraph-mode say otherwise)."""
     spec = {}
     if args.mtp:  # the ring plan serves MTP without prefix caching only: both arms run without it
         spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
-    prof = {}
+    return dict(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + 8,
+                max_num_seqs=max(batches), seed=0, skip_tokenizer_init=True, enable_prefix_caching=not args.mtp,
+                disable_log_stats=not args.mtp, **spec,
+                mamba_ssm_cache_dtype=args.state_dtype, gpu_memory_utilization=args.gpu_util,
+                attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
+                compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode},
+                tensor_parallel_size=args.tp)
+
+
+def engines(args) -> None:
+    """Both arms in this process (see the module docstring); writes the result so far to
+    `args.pairs_out` after each batch size, so a cut-off session keeps its finished pairs."""
+    os.environ.pop("VLLM_GDN_REPLAYSSM", None)  # the native engine's processes start unpatched
+    from vllm import LLM, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
     profiled = {int(b) for b in args.profile_batches.split(",") if b}
-    if profiled:  # traces land in profile_dir (absolute), one file per worker
-        prof = dict(profiler_config={"profiler": "torch", "torch_profiler_dir": os.path.abspath(args.profile_dir),
-                                     "torch_profiler_with_stack": False, "ignore_frontend": True})
-    t0 = time.perf_counter()
-    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + 8,
-              max_num_seqs=max(batches), seed=0, skip_tokenizer_init=True, enable_prefix_caching=not args.mtp,
-              disable_log_stats=not args.mtp, **spec,
-              mamba_ssm_cache_dtype=args.state_dtype, gpu_memory_utilization=0.85,
-              attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
-              compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode},
-              tensor_parallel_size=args.tp, **prof)
-    start_s = time.perf_counter() - t0
-    res = {"engine_start_s": start_s, "batches": {}}
+    log = EngineLog(args.log)
+    llms = {}
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in _INTERNAL_ARGS}, "engines": {}, "pairs": {}}
+    for name in ARMS:
+        if name == "patched":
+            import replayssm_patch
+
+            # MTP on CUDA goes through the ring only when opted in; patch() also sets the
+            # environment the patched engine's processes read
+            report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
+                                           allow_mtp_cuda=bool(args.mtp), min_batch=args.min_batch,
+                                           mtp_kernel=args.mtp_kernel,
+                                           allow_16bit_state=args.state_dtype in ("bfloat16", "float16"))
+            assert report["applied"], report
+        prof = {}
+        if profiled:  # traces land in this engine's directory (absolute), one file per worker
+            prof = dict(profiler_config={"profiler": "torch", "ignore_frontend": True, "torch_profiler_with_stack": False,
+                                         "torch_profiler_dir": os.path.abspath(os.path.join(args.profile_dir, name))})
+        t0 = time.perf_counter()
+        llms[name] = LLM(**engine_kwargs(args, batches), **prof)
+        start_s = time.perf_counter() - t0
+        res["engines"][name] = {"engine_start_s": start_s, "profiles": {},
+                                **check_engine_log(name, log.new_text(), args, max(batches))}
+        print(f"[{name}] engine up in {start_s:.0f} s", flush=True)
     for b in batches:
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 150000 + 3 for j in range(args.in_len)]} for i in range(b)]
-
-        def timed(n):
-            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-            torch_sync()
-            t = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            torch_sync()
-            assert all(len(o.outputs[0].token_ids) == n for o in outs)
-            return time.perf_counter() - t
-
-        timed(4)  # warm this batch size (prefix cache: later prompts hit the cache equally in both arms)
-        t1 = min(timed(1) for _ in range(2))
-        tn = min(timed(args.out_len) for _ in range(args.repeats))
-        decode = tn - t1
-        steps = args.out_len - 1
-        res["batches"][b] = {"t_first_token_s": t1, "t_total_s": tn, "decode_s": decode,
-                             "step_ms": 1e3 * decode / steps,
-                             "per_request_tok_s": steps / decode, "aggregate_tok_s": b * steps / decode}
-        print(f"[{'patched' if args.patched else 'native'}] batch {b}: step {1e3 * decode / steps:.3f} ms, "
-              f"{b * steps / decode:.0f} tok/s aggregate", flush=True)
+        for name in ARMS:  # warm this batch size (prefix cache: later prompts hit it equally in both arms)
+            generate_s(llms[name], SamplingParams, prompts, 4)
+        pairs = res["pairs"][str(b)] = []
+        for p in range(args.pairs):
+            order = ARMS if p % 2 == 0 else ARMS[::-1]
+            pair = {"order": "AB" if order == ARMS else "BA"}
+            for name in order:
+                pair[name] = measure(llms[name], SamplingParams, prompts, args.out_len)
+            pairs.append(pair)
+            print(f"batch {b} pair {p} ({pair['order']}): step native {pair['native']['step_ms']:.3f} ms, "
+                  f"patched {pair['patched']['step_ms']:.3f} ms", flush=True)
         if b in profiled:
-            res["batches"][b]["profile"] = profile_steps(llm, prompts, args.profile_dir)
-    if args.mtp:  # vLLM's speculative-decoding counters over the whole arm (all batch sizes)
+            for name in ARMS:
+                res["engines"][name]["profiles"][str(b)] = profile_steps(llms[name], prompts,
+                                                                         os.path.join(args.profile_dir, name))
+        json.dump(res, open(args.pairs_out, "w"), indent=1)
+    if args.mtp:  # vLLM's speculative-decoding counters over the whole run (all batch sizes)
         from replayssm_patch.testing.engine_runner import spec_decode_metrics
 
-        res["spec_decode"] = spec_decode_metrics(llm)
-    print("RESULT_JSON " + json.dumps(res), flush=True)
+        for name in ARMS:
+            res["engines"][name]["spec_decode"] = spec_decode_metrics(llms[name])
+    import torch
+    import vllm
+
+    res["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
+    res["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    json.dump(res, open(args.pairs_out, "w"), indent=1)
+
+
+def generate_s(llm, SamplingParams, prompts, n) -> float:
+    """Seconds for one generate() of `n` tokens per prompt, the GPU idle before and after."""
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+    torch_sync()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    torch_sync()
+    assert all(len(o.outputs[0].token_ids) == n for o in outs)
+    return time.perf_counter() - t
+
+
+def measure(llm, SamplingParams, prompts, out_len) -> dict:
+    """One arm's decode time at this batch: a generate of `out_len` tokens less one of 1 token."""
+    t1 = min(generate_s(llm, SamplingParams, prompts, 1) for _ in range(2))
+    tn = generate_s(llm, SamplingParams, prompts, out_len)
+    decode, steps = tn - t1, out_len - 1
+    return {"t_first_token_s": t1, "t_total_s": tn, "decode_s": decode, "step_ms": 1e3 * decode / steps,
+            "per_request_tok_s": steps / decode, "aggregate_tok_s": len(prompts) * steps / decode}
+
+
+class EngineLog:
+    """The engines' log file (this process's stdout and stderr, which vLLM's processes share):
+    the text written since the last call, i.e. by the engine built in between."""
+
+    def __init__(self, path):
+        self.path, self.offset = path, 0
+
+    def new_text(self) -> str:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(self.path, errors="replace") as f:
+            f.seek(self.offset)
+            text = f.read()
+            self.offset = f.tell()
+        return text
+
+
+_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
+
+
+def check_engine_log(name: str, log: str, args, max_batch: int) -> dict:
+    """Stop unless the engine built `log` is the arm it should be, and has room for the largest
+    batch; returns vLLM's cache lines (KV-cache size, maximum concurrency) and ours.
+    The patched engine must show the ring (and with --mtp, the verify kernel asked for): strict
+    mode does not raise for a config that is native by default (an opt-in off), and an unmet
+    kernel option falls back with a log line, not an error."""
+    tail = log[-6000:]
+    if name == "native" and "decode through the ring" in log:
+        raise SystemExit(f"native engine: its log shows the ring (VLLM_GDN_REPLAYSSM set?):\n{tail}")
+    if name == "patched":
+        if "decode through the ring" not in log:
+            raise SystemExit(f"patched engine: no 'decode through the ring' line (GDN layers native, "
+                             f"or VLLM_LOGGING_LEVEL above INFO):\n{tail}")
+        if args.mtp and f"verify kernel: {args.mtp_kernel}" not in log:
+            raise SystemExit(f"patched engine: no 'verify kernel: {args.mtp_kernel}' line (--mtp-kernel not "
+                             f"served):\n{tail}")
+    room = [float(x) for x in _CONCURRENCY.findall(log)]
+    if not room:
+        raise SystemExit(f"{name} engine: no 'Maximum concurrency' line in its log:\n{tail}")
+    if min(room) < max_batch:
+        raise SystemExit(f"{name} engine: its KV cache holds {min(room):.0f} requests of this length, fewer than "
+                         f"batch {max_batch}, so the batch would not run at once: raise --gpu-util "
+                         f"(now {args.gpu_util}) or leave that batch out")
+    return {"engine_cache_log": [ln.strip()[-220:] for ln in log.splitlines()
+                                 if "Maximum concurrency" in ln or "KV cache size" in ln
+                                 or "decode through the ring" in ln or "verify kernel:" in ln][:6]}
 
 
 # engine steps skipped after the prefill chunks, then traced: 16 steps are one whole ring cycle
@@ -171,16 +264,28 @@ def profile_steps(llm, prompts, profile_dir) -> dict:
     return dict(summarize_trace(new[0]), trace_file=new[0], steps=PROFILE_STEPS)
 
 
+# CUDA runtime calls in which the host thread can wait for the GPU: a graph launch blocks when
+# the launch queue is full (the host is ahead of the GPU), the others until the GPU is done
+_BLOCKING_CALLS = ("cudaGraphLaunch", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+                   "cudaMemcpy", "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize")
+_STEP_RANGE = "execute_context"  # vLLM's per-step range on the worker's host thread
+
+
 def summarize_trace(path, top=30) -> dict:
-    """GPU time per kernel name (us), GPU-busy time (union of GPU intervals) and the span from
-    the first to the last GPU event, from a Chrome trace written by torch.profiler."""
+    """From a Chrome trace written by torch.profiler: on the GPU, the time per kernel name (us),
+    the GPU-busy time (union of GPU intervals) and the span from the first to the last GPU event;
+    on the host, the time inside vLLM's per-step ranges (`execute_context...`: building the
+    step's inputs and metadata, launching it), the time between them (scheduling, output
+    handling) and the time spent in runtime calls that wait for the GPU. Together they say
+    whether a step waited on the host or on the GPU."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    out = _host_summary(events)
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not gpu:
-        return {"error": "no GPU events in the trace"}
+        return dict(out, error="no GPU events in the trace")
     per_name = {}
     for e in gpu:
         per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e.get("dur", 0))
@@ -194,8 +299,22 @@ def summarize_trace(path, top=30) -> dict:
             cur_e = max(cur_e, e0)
     busy += cur_e - cur_s
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])
-    return {"gpu_span_us": spans[-1][1] - spans[0][0], "gpu_busy_us": busy, "gpu_kernel_sum_us": sum(per_name.values()),
-            "kernels": len(gpu), "top_kernels_us": {k[:160]: round(v, 1) for k, v in ranked[:top]}}
+    return dict(out, gpu_span_us=spans[-1][1] - spans[0][0], gpu_busy_us=busy, gpu_kernel_sum_us=sum(per_name.values()),
+                kernels=len(gpu), top_kernels_us={k[:160]: round(v, 1) for k, v in ranked[:top]})
+
+
+def _host_summary(events) -> dict:
+    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith(_STEP_RANGE))
+    if not steps:
+        return {}
+    blocked = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in _BLOCKING_CALLS:
+            blocked[e["name"]] = blocked.get(e["name"], 0.0) + float(e.get("dur", 0))
+    return {"host_steps": len(steps), "host_in_steps_us": sum(e - s for s, e in steps),
+            "host_between_steps_us": sum(max(0.0, b[0] - a[1]) for a, b in zip(steps, steps[1:])),
+            "host_blocked_us": sum(blocked.values()), "host_blocked_by_call_us": {k: round(v, 1) for k, v in blocked.items()}}
 
 
 def torch_sync():
@@ -220,15 +339,15 @@ def kernel_times(path, shape_key, state):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--batches", default="1,16,64,128,256,512")
+    ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="9b")
     ap.add_argument("--in-len", type=int, default=128)
     ap.add_argument("--out-len", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=5, help="native/patched pairs per batch size (orders AB, BA, AB, ...)")
+    ap.add_argument("--gpu-util", type=float, default=0.45,
+                    help="gpu_memory_utilization of each of the two engines (at most 0.5: they share the GPU)")
     ap.add_argument("--ring-len", type=int, default=16)
     ap.add_argument("--state-dtype", default="float32")
-    ap.add_argument("--order", default="ABBAAB",
-                    help="arm order, A = native, B = patched; consecutive runs pair up (AB, BA, ...)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--compile-mode", type=int, default=3, help="vLLM CompilationMode (3 = VLLM_COMPILE, 0 = none)")
     ap.add_argument("--kernel-json", default=None)
@@ -236,7 +355,8 @@ def main() -> None:
     ap.add_argument("--ring-dtype", default="auto")
     ap.add_argument("--min-batch", default="auto",
                     help="patched arm's min_batch: 'auto' (the dispatch table) or N (the ring from batch N; 1: always)")
-    ap.add_argument("--workdir", default=None, help="where the arms' logs (and profiles) go (default: a new temp dir)")
+    ap.add_argument("--workdir", default=None, help="where the model config, the engines' log and the profiles go "
+                                                    "(default: a new temp dir)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multiprocessing executor for > 1)")
     ap.add_argument("--gdn-heads", default="16,32", metavar="HK,HV",
                     help="GDN key and value heads (default 16,32: Qwen3.5-9B; 16,48 for issue 7's TP=2 shape)")
@@ -247,91 +367,58 @@ def main() -> None:
                     help="with --mtp: the patched arm's verify kernel (patch(mtp_kernel=...)); the run stops if "
                          "the patched engine's log does not name it")
     ap.add_argument("--profile-batches", default="", metavar="B,...",
-                    help="also trace 8 decode steps of these batches (among --batches) per run with the torch profiler")
+                    help="also trace 16 decode steps of these batches (among --batches) per engine with the torch profiler")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="write a plot of patched/native against batch size (needs matplotlib)")
-    ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
+    ap.add_argument("--engines", action="store_true", help=argparse.SUPPRESS)  # the process that runs both
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--log", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--pairs-out", help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="*", default=None, metavar="JSON",
-                    help="no GPU: join the runs of these result files into --out")
+                    help="no GPU: join the pairs of these result files (same configuration) into --out")
     args = ap.parse_args()
     if not set(filter(None, args.profile_batches.split(","))) <= set(args.batches.split(",")):
         raise SystemExit(f"--profile-batches must be among --batches ({args.batches}), got {args.profile_batches}")
+    if args.pairs < 1 or not 0 < args.gpu_util <= 0.5:
+        raise SystemExit(f"--pairs must be >= 1 and --gpu-util in (0, 0.5] (two engines share the GPU), "
+                         f"got {args.pairs} and {args.gpu_util}")
     if args.merge:
         return merge(args)
-    if args.arm:
-        args.patched = args.arm == "patched"
-        return arm(args)
+    if args.engines:
+        return engines(args)
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="replayssm-e2e-")
+    workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="replayssm-e2e-"))
     os.makedirs(workdir, exist_ok=True)
     model = os.path.join(workdir, "qwen35-9b-shape")
     os.makedirs(model)
     json.dump(model_config(args), open(os.path.join(model, "config.json"), "w"), indent=1)
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
     env.pop("VLLM_GDN_REPLAYSSM", None)
-    runs = []
-    for a in args.order:
-        name = "native" if a == "A" else "patched"
-        cmd = [sys.executable, __file__, "--arm", name, "--model", model, "--batches", args.batches,
-               "--in-len", str(args.in_len), "--out-len", str(args.out_len), "--repeats", str(args.repeats),
-               "--ring-len", str(args.ring_len), "--state-dtype", args.state_dtype, "--ring-dtype", args.ring_dtype,
-               "--cudagraph-mode", args.cudagraph_mode, "--compile-mode", str(args.compile_mode),
-               "--tp", str(args.tp), "--gdn-heads", args.gdn_heads, "--mtp", str(args.mtp), "--mtp-kernel", args.mtp_kernel,
-               "--profile-batches", args.profile_batches, "--shape", args.shape, "--min-batch", args.min_batch,
-               "--profile-dir", os.path.join(workdir, f"profile_{len(runs)}_{name}")]
-        print(f"== arm {name}", flush=True)
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        log = p.stdout + p.stderr
-        open(os.path.join(workdir, f"{len(runs)}_{name}.log"), "w").write(log)
-        if p.returncode != 0:
-            raise SystemExit(f"{name} failed:\n{log[-6000:]}")
-        if name == "patched":
-            check_patched_log(log, args)
-        print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("[")), flush=True)
-        res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1][12:])
-        # vLLM's own cache report (KV cache size in tokens, maximum concurrency) and our ring size
-        res["engine_cache_log"] = [ln.strip()[-220:] for ln in log.splitlines()
-                                   if "Maximum concurrency" in ln or "KV cache size" in ln
-                                   or "decode through the ring" in ln or "verify kernel:" in ln][:6]
-        runs.append({"arm": name, **res})
-        if args.out:  # the runs so far, in the form --merge reads: a cut-off session keeps its pairs
-            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items()
-                                                                 if k not in ("arm", "model")}, "runs": runs},
-                      open(args.out + ".partial", "w"), indent=1)
-    finish(args, runs)
+    log = os.path.join(workdir, "engines.log")
+    pairs_out = (args.out or os.path.join(workdir, "e2e.json")) + ".partial"
+    cmd = [sys.executable, os.path.abspath(__file__), "--engines", "--model", model, "--log", log,
+           "--profile-dir", os.path.join(workdir, "profiles"), "--pairs-out", pairs_out] + sys.argv[1:]
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    text = open(log, errors="replace").read()
+    print("\n".join(ln for ln in text.splitlines() if ln.startswith(("[", "batch "))), flush=True)
+    if rc != 0:
+        raise SystemExit(f"the engines' process failed (rc {rc}), log {log}:\n{text[-6000:]}")
+    finish(args, json.load(open(pairs_out)))
 
 
-def check_patched_log(log: str, args) -> None:
-    """Stop unless the patched engine's log shows the ring (and with --mtp, the verify kernel
-    asked for): strict mode does not raise for a config that is native by default (an opt-in
-    off), and an unmet kernel option falls back with a log line, not an error."""
-    if "decode through the ring" not in log:
-        raise SystemExit(f"patched arm: no 'decode through the ring' line (GDN layers native, "
-                         f"or VLLM_LOGGING_LEVEL above INFO):\n{log[-6000:]}")
-    if args.mtp and f"verify kernel: {args.mtp_kernel}" not in log:
-        raise SystemExit(f"patched arm: no 'verify kernel: {args.mtp_kernel}' line (--mtp-kernel not "
-                         f"served):\n{log[-6000:]}")
-
-
-def pairs_of(runs) -> list[tuple[dict, dict]]:
-    """(native, patched) per consecutive pair of runs: AB, BA, ... in the order they ran."""
-    if len(runs) % 2:
-        raise SystemExit(f"{len(runs)} runs: the arms must pair up (--order AB, ABBA, ABBAAB, ...)")
-    out = []
-    for a, b in zip(runs[0::2], runs[1::2]):
-        if {a["arm"], b["arm"]} != {"native", "patched"}:
-            raise SystemExit("--order must pair a native with a patched run (AB or BA), pair after pair")
-        out.append((a, b) if a["arm"] == "native" else (b, a))
+def _per_step(profile, steps) -> dict:
+    """The profile's GPU-busy time and span per step, and the host's times per step (ms)."""
+    out = {}
+    if profile and "gpu_busy_us" in profile:
+        out.update(gpu_busy_ms=profile["gpu_busy_us"] / 1e3 / steps, span_ms=profile["gpu_span_us"] / 1e3 / steps)
+    if profile and profile.get("host_steps"):
+        n = profile["host_steps"]
+        out.update(host_in_step_ms=profile["host_in_steps_us"] / 1e3 / n,
+                   host_between_steps_ms=profile["host_between_steps_us"] / 1e3 / max(1, n - 1),
+                   host_blocked_ms=profile["host_blocked_us"] / 1e3 / n)
     return out
-
-
-def _per_step(profile, steps):
-    if not profile or "gpu_busy_us" not in profile:
-        return None
-    return {"gpu_busy_ms": profile["gpu_busy_us"] / 1e3 / steps, "span_ms": profile["gpu_span_us"] / 1e3 / steps}
 
 
 def config_name(args) -> str:
@@ -342,36 +429,36 @@ def config_name(args) -> str:
     return f"compile{args.compile_mode}_{args.cudagraph_mode}"
 
 
-def finish(args, runs):
+def finish(args, res):
     """Per batch: the ratio of each native/patched pair, their median, min and max, the Amdahl
-    bound, the profiler's GPU-busy and span per step beside the wall time; the summary; JSON."""
+    bound, the profiler's GPU-busy and span per step beside the wall time; the summary; JSON.
+    `res`: what `engines` wrote (engines, pairs per batch size)."""
     import statistics
 
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.state_dtype, args.state_dtype)
     kt = kernel_times(args.kernel_json, args.kernel_shape, short)
-    pairs = pairs_of(runs)
     table = {}
     for b in [int(x) for x in args.batches.split(",")]:
-        key = str(b)
-        ratios = [p["batches"][key]["aggregate_tok_s"] / n["batches"][key]["aggregate_tok_s"] for n, p in pairs]
-        step_n = statistics.median(n["batches"][key]["step_ms"] for n, _ in pairs)
-        step_p = statistics.median(p["batches"][key]["step_ms"] for _, p in pairs)
+        pairs = res["pairs"].get(str(b), [])
+        if not pairs or any(set(ARMS) - set(p) for p in pairs):
+            raise SystemExit(f"batch {b}: no complete native/patched pair in the results")
+        ratios = [p["patched"]["aggregate_tok_s"] / p["native"]["aggregate_tok_s"] for p in pairs]
         speedup = statistics.median(ratios)
-        row = {"pair_speedups": [round(r, 4) for r in ratios], "speedup": speedup, "speedup_min": min(ratios),
-               "speedup_max": max(ratios), "native_step_ms": step_n, "patched_step_ms": step_p,
-               "native_aggregate_tok_s": statistics.median(n["batches"][key]["aggregate_tok_s"] for n, _ in pairs),
-               "patched_aggregate_tok_s": statistics.median(p["batches"][key]["aggregate_tok_s"] for _, p in pairs)}
-        steps = PROFILE_STEPS
-        prof = [(_per_step(n["batches"][key].get("profile"), steps), _per_step(p["batches"][key].get("profile"), steps))
-                for n, p in pairs]
-        prof = [(x, y) for x, y in prof if x and y]
-        if prof:  # GPU idle inside the step: span - busy; the target is idle_p <= idle_n + 2% of native's step
-            n_busy, n_span = statistics.median(x["gpu_busy_ms"] for x, _ in prof), statistics.median(x["span_ms"] for x, _ in prof)
-            p_busy, p_span = statistics.median(y["gpu_busy_ms"] for _, y in prof), statistics.median(y["span_ms"] for _, y in prof)
-            row.update(native_gpu_busy_ms=n_busy, native_span_ms=n_span, patched_gpu_busy_ms=p_busy, patched_span_ms=p_span,
-                       idle_excess_of_native_step=((p_span - p_busy) - (n_span - n_busy)) / n_span)
+        row = {"pair_speedups": [round(r, 4) for r in ratios], "pair_orders": "".join(p["order"][0] for p in pairs),
+               "speedup": speedup, "speedup_min": min(ratios), "speedup_max": max(ratios)}
+        for name in ARMS:
+            row[f"{name}_step_ms"] = statistics.median(p[name]["step_ms"] for p in pairs)
+            row[f"{name}_aggregate_tok_s"] = statistics.median(p[name]["aggregate_tok_s"] for p in pairs)
+        prof = {name: _per_step(res["engines"][name].get("profiles", {}).get(str(b)), PROFILE_STEPS) for name in ARMS}
+        for name in ARMS:
+            row.update({f"{name}_{k}": v for k, v in prof[name].items()})
+        n, p = prof["native"], prof["patched"]
+        if "span_ms" in n and "span_ms" in p:  # GPU idle inside the step: span - busy
+            row["idle_excess_of_native_step"] = ((p["span_ms"] - p["gpu_busy_ms"]) - (n["span_ms"] - n["gpu_busy_ms"])) \
+                / n["span_ms"]
         if b in kt:
             kn, ko = kt[b]
+            step_n = row["native_step_ms"]
             bound = step_n / (step_n - GDN_LAYERS * (kn - ko) / 1e3)
             row.update(kernel_native_us=kn, kernel_ours_us=ko, gdn_share_of_native_step=GDN_LAYERS * kn / 1e3 / step_n,
                        amdahl_bound=bound, fraction_of_bound=speedup / bound)
@@ -379,7 +466,8 @@ def finish(args, runs):
         print(f"batch {b}: patched/native x{speedup:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
               f"{len(ratios)} pairs)" + (f", Amdahl bound x{row['amdahl_bound']:.3f}" if "amdahl_bound" in row else ""),
               flush=True)
-    summary = {"config": config_name(args), "shape": args.shape, "pairs": len(pairs)}
+    summary = {"config": config_name(args), "shape": args.shape,
+               "pairs": min(len(res["pairs"][str(b)]) for b in table)}
     if args.mtp:
         summary["mtp_kernel"] = args.mtp_kernel
     tag = f"t{args.mtp}_" if args.mtp else ""
@@ -391,25 +479,20 @@ def finish(args, runs):
             summary[f"idle_excess_{tag}b{b}"] = round(row["idle_excess_of_native_step"], 4)
     config = model_config(args)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in ("arm", "model")},
+              "command": " ".join(sys.argv), "gpu": res.get("gpu"), "versions": res.get("versions"),
+              "config": {k: v for k, v in vars(args).items() if k not in _INTERNAL_ARGS},
               "model": f"Qwen3.5-{args.shape}-shaped dense (dummy weights): " + json.dumps({k: config[k] for k in (
                   "hidden_size", "intermediate_size", "num_hidden_layers", "linear_num_key_heads",
                   "linear_num_value_heads", "linear_key_head_dim")}),
-              "order": "".join("A" if r["arm"] == "native" else "B" for r in runs),
-              "runs": runs, "table": table, "summary": summary}
-    try:
-        import torch
-        import vllm
-
-        result["gpu"] = torch.cuda.get_device_name(0)
-        result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
-    except Exception as e:
-        result["versions"] = {"error": repr(e)}
+              "engines": res["engines"], "pairs": res["pairs"], "table": table, "summary": summary}
     if args.out:
         json.dump(result, open(args.out, "w"), indent=1)
     if args.plot:
         plot(result, args.plot)
     return result
+
+
+_INTERNAL_ARGS = ("engines", "model", "log", "profile_dir", "pairs_out", "merge")
 
 
 def plot(result, path):
@@ -443,21 +526,23 @@ def plot(result, path):
 
 
 def merge(args):
-    """Join the runs of several result files (e.g. an AB and a BA call) into one table."""
-    runs, first = [], None
+    """Join the pairs of several result files of one configuration (e.g. a cut-off session's
+    `.partial` and a later run) into one table; the engines' records are the first file's."""
+    first, pairs = None, {}
     for path in args.merge:
         data = json.load(open(path))
         first = first or data
-        runs += data["runs"]
-    for k, v in first["config"].items():
-        if k not in ("out", "merge", "order", "kernel_json", "plot"):
+        for b, ps in data["pairs"].items():
+            pairs.setdefault(b, []).extend(ps)
+    for k, v in first.get("config", {}).items():
+        if k not in ("out", "order", "kernel_json", "plot", "batches"):
             setattr(args, k, v)
+    args.batches = ",".join(sorted(pairs, key=int))
     out, png = args.out, args.plot
     args.out = args.plot = None
-    res = finish(args, runs)
-    res["merged_from"] = [{"path": p, "command": json.load(open(p))["command"], "date": json.load(open(p))["date"]}
+    res = finish(args, dict(first, pairs=pairs))
+    res["merged_from"] = [{"path": p, "command": json.load(open(p)).get("command"), "date": json.load(open(p)).get("date")}
                           for p in args.merge]
-    res["gpu"], res["versions"] = first.get("gpu"), first.get("versions")
     if out:
         json.dump(res, open(out, "w"), indent=1)
     if png:

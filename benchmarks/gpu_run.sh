@@ -24,13 +24,13 @@
 #
 #   bash benchmarks/gpu_run.sh e2e16 [ARGS]    # (needs install) the kernel benchmark at the Qwen3-Next
 #     shape, bf16 state (the bound; KERNEL_JSON=FILE uses FILE instead), then e2e_decode.py bf16
-#     state, default config, ring at every batch (--min-batch 1), ABBAAB, 3 repeats, profiled at
-#     512 (ARGS override these), to $OUT/e2e_decode_bf16.json + logs
+#     state, default config, ring at every batch (--min-batch 1), 5 pairs of the two engines in one
+#     process, profiled at 512 (ARGS override these), to $OUT/e2e_decode_bf16.json + $OUT/work (engines.log)
 #
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
 #     control at max_num_seqs 8, per-rank ring checks), then e2e_decode.py --tp 2 at batch 64 and
-#     256 (AB), to $OUT/e2e_agreement_tp2.json, $OUT/e2e_decode_tp2.json + logs
+#     256 (3 pairs), to $OUT/e2e_agreement_tp2.json, $OUT/e2e_decode_tp2.json + logs
 #
 # A machine is given back after 30 s without a call, and a command's processes end with it
 # unless started in a new session: `bg` starts a step that outlives its call, `jobs` waits for
@@ -113,14 +113,14 @@ case "${1:?step}" in
   e2e)
     shift; python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode.json" --kernel-json benchmarks/results/kernel_decode.json "$@" 2>&1 | tail -40 ;;
   e2e16)  # issue 23's end-to-end check: the same-run kernel bound (bf16 state, Qwen3-Next shape), then
-    # e2e_decode.py with a bf16 state in vLLM's default config, the ring at every batch, 3 pairs,
+    # e2e_decode.py with a bf16 state in vLLM's default config, the ring at every batch, 5 pairs,
     # 16 decode steps profiled at batch 512
     # (further arguments go to e2e_decode.py and override these; KERNEL_JSON=FILE skips the kernel run)
     shift; rc=0; kj=${KERNEL_JSON:-$OUT/kernel/kernel_decode_e2e16.json}
     [ -n "${KERNEL_JSON:-}" ] || python3 benchmarks/kernel_decode.py --out-dir "$OUT/kernel" --no-sweep --reps 15 \
       --shapes qwen3-next --dtypes bf16 --json-name kernel_decode_e2e16 > "$OUT/kernel.log" 2>&1 || rc=1
     python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode_bf16.json" --workdir "$OUT/work" --state-dtype bfloat16 \
-      --min-batch 1 --batches 64,128,256,512 --repeats 3 --order ABBAAB --profile-batches 512 \
+      --min-batch 1 --batches 64,128,256,512 --pairs 5 --profile-batches 512 \
       --kernel-json "$kj" "$@" 2>&1 | tail -30 || rc=1
     exit $rc ;;
   rollout)
@@ -135,7 +135,7 @@ case "${1:?step}" in
     python3 benchmarks/e2e_agreement.py --tp 2 --gdn-heads 16,48 --tag tp2 --out "$OUT/e2e_agreement_tp2.json" \
       --workdir /tmp/tp2 --states float32 2>&1 | tail -20 || rc=1
     cp /tmp/tp2/*.log "$OUT/" 2>/dev/null || true
-    python3 benchmarks/e2e_decode.py --tp 2 --gdn-heads 16,48 --batches 64,256 --order AB --repeats 1 \
+    python3 benchmarks/e2e_decode.py --tp 2 --gdn-heads 16,48 --batches 64,256 --pairs 3 \
       --cudagraph-mode FULL_DECODE_ONLY --compile-mode 0 --out "$OUT/e2e_decode_tp2.json" 2>&1 | tail -20 || rc=1
     exit $rc ;;
   bg)
@@ -196,7 +196,7 @@ case "${1:?step}" in
         for f in /tmp/mtp16/*.log; do gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
       decode)
         python3 benchmarks/e2e_decode.py --mtp 3 --mtp-kernel "$k" --state-dtype bfloat16 --batches "$BATCHES" \
-          --repeats 1 --profile-batches "$PROFILE" --out "$OUT/e2e_decode_mtp3_bf16_$k.json" --workdir "$OUT/work" 2>&1 \
+          --pairs 3 --profile-batches "$PROFILE" --out "$OUT/e2e_decode_mtp3_bf16_$k.json" --workdir "$OUT/work" 2>&1 \
           | tail -30 || rc=1 ;;
       *) echo "mtp16: agree or decode, got $what" >&2; rc=2 ;;
     esac
@@ -204,7 +204,7 @@ case "${1:?step}" in
   cuteprobe)  # (needs fiinstall: CuTe DSL) TMA read-bandwidth probe, to $OUT/cute_read_probe.{json,md}
     python3 benchmarks/cute_read_probe.py --out "$OUT" 2>&1 | tail -40 ;;
   mtpprof)
-    python3 benchmarks/e2e_decode.py --mtp 3 --batches 256 --order AB --repeats 1 --cudagraph-mode FULL_DECODE_ONLY \
+    python3 benchmarks/e2e_decode.py --mtp 3 --batches 256 --pairs 1 --cudagraph-mode FULL_DECODE_ONLY \
       --compile-mode 0 --profile-batches 256 --out "$OUT/mtp3_profile.json" 2>&1 | tail -20 ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

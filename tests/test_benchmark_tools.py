@@ -44,21 +44,49 @@ def test_summarize_trace_busy_is_the_union_of_gpu_intervals(tmp_path, gz):
     assert s["top_kernels_us"] == {"gemm": 15.0, "ring": 12.0, "Memset": 4.0}
 
 
+def test_summarize_trace_host_side(tmp_path):
+    """Three step ranges (0-10, 15-30, 40-45): 30 us inside, 15 us between; the runtime calls that
+    wait for the GPU are summed by name, other runtime calls and ranges are not."""
+    ann = [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_4(4)", "ts": t, "dur": d}
+           for t, d in ((15, 15), (0, 10), (40, 5))]
+    calls = [{"ph": "X", "cat": "cuda_runtime", "name": n, "ts": t, "dur": d}
+             for n, t, d in (("cudaGraphLaunch", 1, 6), ("cudaGraphLaunch", 16, 2), ("cudaLaunchKernel", 20, 3),
+                             ("cudaEventSynchronize", 31, 4))]
+    other = [{"ph": "X", "cat": "user_annotation", "name": "sample", "ts": 50, "dur": 9},
+             {"ph": "X", "cat": "gpu_user_annotation", "name": "execute_context_x", "ts": 0, "dur": 99},
+             {"ph": "X", "cat": "kernel", "name": "k", "ts": 2, "dur": 3}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(ann + calls + other))
+    s = _load("e2e_decode").summarize_trace(str(path))
+    assert (s["host_steps"], s["host_in_steps_us"], s["host_between_steps_us"]) == (3, 30, 15)
+    assert s["host_blocked_us"] == 12 and s["host_blocked_by_call_us"] == {"cudaGraphLaunch": 8.0,
+                                                                         "cudaEventSynchronize": 4.0}
+    assert s["gpu_busy_us"] == 3
+    per = _load("e2e_decode")._per_step(s, 16)
+    assert per["host_in_step_ms"] == 0.01 and per["host_between_steps_ms"] == 0.0075 and per["host_blocked_ms"] == 0.004
+
+
 def test_summarize_trace_without_gpu_events(tmp_path):
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]))
     assert "error" in _load("e2e_decode").summarize_trace(str(path))
 
 
-def _run(arm, step_ms, batches=(1, 64), busy=None):
-    out = {"arm": arm, "batches": {}}
-    for b in batches:
-        agg = b * 1000.0 / step_ms[b]
-        entry = {"step_ms": step_ms[b], "aggregate_tok_s": agg}
-        if busy:
-            entry["profile"] = {"gpu_busy_us": busy[b][0] * 8e3, "gpu_span_us": busy[b][1] * 8e3}
-        out["batches"][str(b)] = entry
-    return out
+def _measured(step_ms, batch):
+    return {"step_ms": step_ms, "aggregate_tok_s": batch * 1000.0 / step_ms}
+
+
+def _result(steps, profiles=None):
+    """What engines() writes: steps[batch] = [(native_ms, patched_ms) per pair]; profiles[arm][batch]
+    = (busy_ms, span_ms) per step over the 16 profiled steps."""
+    res = {"engines": {arm: {"profiles": {}} for arm in ("native", "patched")}, "pairs": {}}
+    for b, pairs in steps.items():
+        res["pairs"][str(b)] = [{"order": "AB" if i % 2 == 0 else "BA", "native": _measured(n, b),
+                                 "patched": _measured(p, b)} for i, (n, p) in enumerate(pairs)]
+    for arm, per_batch in (profiles or {}).items():
+        for b, (busy, span) in per_batch.items():
+            res["engines"][arm]["profiles"][str(b)] = {"gpu_busy_us": busy * 16e3, "gpu_span_us": span * 16e3}
+    return res
 
 
 def _args(mod, tmp_path, **over):
@@ -66,62 +94,100 @@ def _args(mod, tmp_path, **over):
 
     a = argparse.Namespace(batches="1,64", state_dtype="float32", kernel_json=None, kernel_shape="qwen3-next",
                            compile_mode=3, cudagraph_mode="FULL_AND_PIECEWISE", mtp=0, mtp_kernel="triton", shape="9b", tp=1,
-                           gdn_heads="16,32", out=str(tmp_path / "e2e.json"), plot=str(tmp_path / "e2e.png"))
+                           gdn_heads="16,32", out=str(tmp_path / "e2e.json"), plot=str(tmp_path / "e2e.png"),
+                           gpu_util=0.45)
     for k, v in over.items():
         setattr(a, k, v)
     return a
 
 
 def test_e2e_summary_is_the_median_of_pair_ratios_with_min_max_and_idle(tmp_path):
-    """Three pairs (AB, BA, AB): one ratio per pair and batch, the median reported with min/max;
-    the profiler's per-step idle (span - busy) excess over native as a fraction of native's step."""
+    """Three pairs per batch: one ratio per pair, the median reported with min/max; the profiler's
+    per-step idle (span - busy) excess over native as a fraction of native's step."""
     mod = _load("e2e_decode")
-    n = [_run("native", {1: 10.0, 64: 20.0}, busy={1: (5, 10), 64: (15, 20)}) for _ in range(3)]
-    p = [_run("patched", {1: s1, 64: s64}, busy={1: (5, 10.5), 64: (14, 21)})
-         for s1, s64 in ((10.0, 18.0), (11.0, 19.0), (9.0, 25.0))]
-    runs = [n[0], p[0], p[1], n[1], n[2], p[2]]
-    res = mod.finish(_args(mod, tmp_path), runs)
-    row = res["table"][64]
-    assert row["pair_speedups"] == [round(20 / 18, 4), round(20 / 19, 4), round(20 / 25, 4)]
-    assert row["speedup"] == 20 / 19 and row["speedup_min"] == 20 / 25 and row["speedup_max"] == 20 / 18
+    res = _result({1: [(10.0, 10.0), (10.0, 11.0), (10.0, 9.0)], 64: [(20.0, 18.0), (21.0, 19.0), (20.0, 25.0)]},
+                  profiles={"native": {64: (15, 20)}, "patched": {64: (14, 21)}})
+    out = mod.finish(_args(mod, tmp_path), res)
+    row = out["table"][64]
+    assert row["pair_speedups"] == [round(20 / 18, 4), round(21 / 19, 4), round(20 / 25, 4)]
+    assert row["speedup"] == pytest.approx(21 / 19) and row["speedup_min"] == pytest.approx(20 / 25)
+    assert row["speedup_max"] == pytest.approx(20 / 18)
+    assert row["pair_orders"] == "ABA" and row["native_step_ms"] == 20.0 and row["patched_step_ms"] == 19.0
     assert abs(row["idle_excess_of_native_step"] - ((21 - 14) - (20 - 15)) / 20) < 1e-12
-    s = res["summary"]
-    assert s["config"] == "default" and s["pairs"] == 3 and s["speedup_b1"] == round(10 / 10, 4)
+    assert "idle_excess_of_native_step" not in out["table"][1]  # batch 1 was not profiled
+    s = out["summary"]
+    assert s["config"] == "default" and s["pairs"] == 3 and s["speedup_b1"] == 1.0
     assert json.load(open(tmp_path / "e2e.json"))["summary"] == s
     assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_e2e_refuses_runs_that_do_not_pair(tmp_path):
+def test_e2e_refuses_a_batch_without_a_complete_pair(tmp_path):
     mod = _load("e2e_decode")
-    one = _run("native", {1: 10.0, 64: 20.0})
-    with pytest.raises(SystemExit, match="pair"):
-        mod.finish(_args(mod, tmp_path, plot=None), [one, one])
-    with pytest.raises(SystemExit, match="pair up"):
-        mod.finish(_args(mod, tmp_path, plot=None), [one])
+    res = _result({1: [(10.0, 10.0)]})  # no batch 64
+    with pytest.raises(SystemExit, match="batch 64: no complete"):
+        mod.finish(_args(mod, tmp_path, plot=None), res)
+    res = _result({1: [(10.0, 10.0)], 64: [(20.0, 18.0)]})
+    del res["pairs"]["64"][0]["patched"]  # cut off between the two arms of a pair
+    with pytest.raises(SystemExit, match="batch 64: no complete"):
+        mod.finish(_args(mod, tmp_path, plot=None), res)
+
+
+def test_e2e_merge_joins_pairs_per_batch(tmp_path):
+    """A cut-off run's partial (batch 64 only) and a later run: batch 64 gets the pairs of both."""
+    mod = _load("e2e_decode")
+    cfg = {k: v for k, v in vars(_args(mod, tmp_path, plot=None)).items() if k != "out"}
+    a, b = tmp_path / "a.json.partial", tmp_path / "b.json"
+    json.dump(dict(_result({64: [(20.0, 18.0)]}), config=dict(cfg, batches="64,256")), open(a, "w"))
+    json.dump(dict(_result({64: [(20.0, 25.0), (20.0, 19.0)], 256: [(40.0, 36.0)]}), config=cfg), open(b, "w"))
+    args = _args(mod, tmp_path, plot=None, out=str(tmp_path / "m.json"), merge=[str(a), str(b)], batches=None)
+    out = mod.merge(args)
+    assert out["table"][64]["pair_speedups"] == [round(20 / 18, 4), round(20 / 25, 4), round(20 / 19, 4)]
+    assert out["table"][256]["speedup"] == pytest.approx(40 / 36) and out["summary"]["pairs"] == 1
+    assert [m["path"] for m in json.load(open(tmp_path / "m.json"))["merged_from"]] == [str(a), str(b)]
 
 
 def test_e2e_mtp_summary_keys(tmp_path):
     mod = _load("e2e_decode")
-    runs = [_run("native", {1: 10.0, 64: 20.0}), _run("patched", {1: 10.0, 64: 16.0})]
     s = mod.finish(_args(mod, tmp_path, plot=None, mtp=3, compile_mode=0, cudagraph_mode="FULL_DECODE_ONLY",
-                         mtp_kernel="flashinfer"), runs)["summary"]
+                         mtp_kernel="flashinfer"), _result({1: [(10.0, 10.0)], 64: [(20.0, 16.0)]}))["summary"]
     assert s["config"] == "full_decode_only_no_compile" and s["speedup_t3_b64"] == 1.25
     assert s["mtp_kernel"] == "flashinfer"
 
 
-def test_e2e_patched_log_must_name_the_ring_and_the_verify_kernel_asked_for(tmp_path):
-    """A patched arm whose engine stayed native, or served MTP with another verify kernel than
-    --mtp-kernel (an option that did not reach the engine), stops the run."""
+_ROOM = "(EngineCore pid=7) INFO [kv_cache_utils.py:1147] GPU KV cache size: 200,000 tokens, " \
+        "Maximum concurrency for 392 tokens per request: {}x"
+_RING = "replayssm_patch: Qwen3_5ForCausalLM GDN layers decode through the ring (L=32, ...)"
+_MTP = "replayssm_patch: MTP speculative decoding (T=3) goes through the ring on CUDA, ... verify kernel: {}"
+
+
+def test_e2e_engine_logs_must_show_the_arm_asked_for(tmp_path):
+    """A patched engine that stayed native, or served MTP with another verify kernel than
+    --mtp-kernel (an option that did not reach the engine), or a native engine with the ring,
+    stops the run; the cache lines are kept."""
     mod = _load("e2e_decode")
-    ring = "replayssm_patch: Qwen3_5ForCausalLM GDN layers decode through the ring (L=32, ...)"
-    mtp_line = "replayssm_patch: MTP speculative decoding (T=3) goes through the ring on CUDA, ... verify kernel: {}"
-    mod.check_patched_log(ring, _args(mod, tmp_path))
+    room = _ROOM.format("600.00")
+    kept = mod.check_engine_log("patched", room + "\n" + _RING, _args(mod, tmp_path), 512)["engine_cache_log"]
+    assert len(kept) == 2 and kept[1].endswith("(L=32, ...)")
+    mod.check_engine_log("native", room, _args(mod, tmp_path), 512)
+    with pytest.raises(SystemExit, match="native engine: its log shows the ring"):
+        mod.check_engine_log("native", room + "\n" + _RING, _args(mod, tmp_path), 512)
     with pytest.raises(SystemExit, match="decode through the ring"):
-        mod.check_patched_log("GDN layers native", _args(mod, tmp_path))
+        mod.check_engine_log("patched", room + "\nGDN layers native", _args(mod, tmp_path), 512)
     fi = _args(mod, tmp_path, mtp=3, mtp_kernel="flashinfer")
-    mod.check_patched_log(ring + "\n" + mtp_line.format("flashinfer"), fi)
+    mod.check_engine_log("patched", "\n".join([room, _RING, _MTP.format("flashinfer")]), fi, 512)
     with pytest.raises(SystemExit, match="verify kernel: flashinfer"):
-        mod.check_patched_log(ring + "\n" + mtp_line.format("triton"), fi)
+        mod.check_engine_log("patched", "\n".join([room, _RING, _MTP.format("triton")]), fi, 512)
+
+
+def test_e2e_engine_must_hold_the_largest_batch_at_once(tmp_path):
+    """Two engines share the GPU: one whose KV cache holds fewer requests than the largest batch
+    (which would then not run at once) stops the run, naming --gpu-util; no room line stops it too."""
+    mod = _load("e2e_decode")
+    with pytest.raises(SystemExit, match=r"holds 300 requests .* fewer than batch 512, .* raise --gpu-util \(now 0.45\)"):
+        mod.check_engine_log("native", _ROOM.format("300.40"), _args(mod, tmp_path), 512)
+    mod.check_engine_log("native", _ROOM.format("1024.00"), _args(mod, tmp_path), 512)
+    with pytest.raises(SystemExit, match="no 'Maximum concurrency' line"):
+        mod.check_engine_log("native", "INFO nothing here", _args(mod, tmp_path), 512)
 
 
 def _kernel_row(shape, sdt, batch, native, ours, baseline=None):
