@@ -61,6 +61,11 @@
 #     batches 16/64/256 (or $BATCHES), 3 pairs, profiled at 256 (or $PROFILE, empty: none), to $OUT/e2e_decode_mtp3_bf16_KERNEL.json + $OUT/work
 #   bash benchmarks/gpu_run.sh cuteprobe   # (needs fiinstall) benchmarks/cute_read_probe.py: how close a
 #     TMA-pipelined CuTe DSL kernel reads state tiles to copy bandwidth, to $OUT/cute_read_probe.{json,md}
+#   bash benchmarks/gpu_run.sh cachepack   # the compile caches (vLLM's torch.compile artifacts under
+#     VLLM_CACHE_ROOT, then Triton's, then Inductor's; each whole, while 45 MiB in all allow: results
+#     need the rest) to $OUT/ccacheN.tgz.NN (15 MiB parts); keep them as .work/ccache/ and, next
+#     session, carry that folder and run
+#   bash benchmarks/gpu_run.sh cacheunpack # so the engines start warm (~1 min instead of ~3.5 with compile)
 #   bash benchmarks/gpu_run.sh mtpprof   # (needs install) MTP T=3 batch 256, AB, with
 #     --profile-batches 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
 set -euo pipefail
@@ -206,5 +211,18 @@ case "${1:?step}" in
   mtpprof)
     python3 benchmarks/e2e_decode.py --mtp 3 --batches 256 --pairs 1 --cudagraph-mode FULL_DECODE_ONLY \
       --compile-mode 0 --profile-batches 256 --out "$OUT/mtp3_profile.json" 2>&1 | tail -20 ;;
+  cachepack)  # most useful first; each cache whole or not at all, 45 MiB in all
+    room=$((45 << 20)); n=0
+    for d in tmp/vllm-cache/torch_compile_cache root/.triton/cache tmp/torchinductor_root; do
+      [ -d "/$d" ] || continue
+      tar czf /tmp/ccache.tgz -C / "$d"; size=$(stat -c %s /tmp/ccache.tgz)
+      if [ "$size" -le "$room" ]; then
+        split -b 15M -d /tmp/ccache.tgz "$OUT/ccache$n.tgz."; room=$((room - size)); n=$((n + 1))
+        echo "/$d: $size bytes packed"
+      else echo "/$d: $size bytes, more than the $room left: not copied"; fi
+    done ;;
+  cacheunpack)
+    for f in .work/ccache/ccache*.tgz.00; do cat "${f%.00}".* | tar xzf - -C /; done
+    du -sh /tmp/vllm-cache /root/.triton/cache /tmp/torchinductor_root 2>/dev/null ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
