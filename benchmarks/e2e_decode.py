@@ -38,7 +38,9 @@ verify kernel (patch(mtp_kernel=...)).
 decode steps of that batch per engine (vLLM's `profiler_config`, after the prefill) and reports
 the GPU time per kernel name, the GPU-busy time and the span of those steps: where a patched
 step's extra time goes (kernels, or idle GPU waiting on the host). The table gives both per step
-beside the wall time.
+beside the wall time, with the host's side: the time inside vLLM's step range, between steps and
+in runtime calls that wait for the GPU. `--profile-stack` adds the profiler's Python stacks and,
+per engine, the time of the Python functions on the step's thread (children included).
 
 The Amdahl bound per batch size is computed from the native step time and, when given
 (`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
@@ -140,7 +142,8 @@ def engines(args) -> None:
             assert report["applied"], report
         prof = {}
         if profiled:  # traces land in this engine's directory (absolute), one file per worker
-            prof = dict(profiler_config={"profiler": "torch", "ignore_frontend": True, "torch_profiler_with_stack": False,
+            prof = dict(profiler_config={"profiler": "torch", "ignore_frontend": True,
+                                         "torch_profiler_with_stack": args.profile_stack,
                                          "torch_profiler_dir": os.path.abspath(os.path.join(args.profile_dir, name))})
         t0 = time.perf_counter()
         llms[name] = LLM(**engine_kwargs(args, batches), **prof)
@@ -312,18 +315,33 @@ def summarize_trace(path, top=30) -> dict:
                 kernels=len(gpu), top_kernels_us={k[:160]: round(v, 1) for k, v in ranked[:top]})
 
 
-def _host_summary(events) -> dict:
-    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-                   if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith(_STEP_RANGE))
-    if not steps:
+def _host_summary(events, top=40) -> dict:
+    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+              and e.get("name", "").startswith(_STEP_RANGE)]
+    if not ranges:
         return {}
+    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in ranges)
     blocked = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in _BLOCKING_CALLS:
             blocked[e["name"]] = blocked.get(e["name"], 0.0) + float(e.get("dur", 0))
-    return {"host_steps": len(steps), "host_in_steps_us": sum(e - s for s, e in steps),
-            "host_between_steps_us": sum(max(0.0, b[0] - a[1]) for a, b in zip(steps, steps[1:])),
-            "host_blocked_us": sum(blocked.values()), "host_blocked_by_call_us": {k: round(v, 1) for k, v in blocked.items()}}
+    out = {"host_steps": len(steps), "host_in_steps_us": sum(e - s for s, e in steps),
+           "host_between_steps_us": sum(max(0.0, b[0] - a[1]) for a, b in zip(steps, steps[1:])),
+           "host_blocked_us": sum(blocked.values()), "host_blocked_by_call_us": {k: round(v, 1) for k, v in blocked.items()}}
+    # With the profiler's Python stacks (--profile-stack): the time of each Python function called
+    # on the steps' thread within the window, children included (as cProfile's cumulative time)
+    t0, t1 = steps[0][0], steps[-1][1]
+    thread = (ranges[0].get("pid"), ranges[0].get("tid"))
+    funcs = {}
+    for e in events:
+        if (e.get("cat") == "python_function" and (e.get("pid"), e.get("tid")) == thread
+                and t0 <= float(e["ts"]) < t1):
+            end = min(float(e["ts"]) + float(e.get("dur", 0)), t1)
+            funcs[e["name"]] = funcs.get(e["name"], 0.0) + end - float(e["ts"])
+    if funcs:
+        ranked = sorted(funcs.items(), key=lambda kv: -kv[1])[:top]
+        out["host_functions_us"] = {k[:160]: round(v, 1) for k, v in ranked}
+    return out
 
 
 def kernel_times(path, shape_key, state):
@@ -370,6 +388,9 @@ def main() -> None:
                          "the patched engine's log does not name it")
     ap.add_argument("--profile-batches", default="", metavar="B,...",
                     help="also trace 16 decode steps of these batches (among --batches) per engine with the torch profiler")
+    ap.add_argument("--profile-stack", action="store_true",
+                    help="with --profile-batches: record Python stacks too, and report the time of the Python "
+                         "functions on the step's thread (slows the traced steps, not the timed ones)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="write a plot of patched/native against batch size (needs matplotlib)")
     ap.add_argument("--engines", action="store_true", help=argparse.SUPPRESS)  # the process that runs both

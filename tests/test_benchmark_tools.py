@@ -55,12 +55,22 @@ def test_summarize_trace_host_side(tmp_path):
     other = [{"ph": "X", "cat": "user_annotation", "name": "sample", "ts": 50, "dur": 9},
              {"ph": "X", "cat": "gpu_user_annotation", "name": "execute_context_x", "ts": 0, "dur": 99},
              {"ph": "X", "cat": "kernel", "name": "k", "ts": 2, "dur": 3}]
+    # Python functions (--profile-stack): the window is 0-45 on the steps' thread (pid 1, tid 2)
+    py = [{"ph": "X", "cat": "python_function", "name": n, "ts": t, "dur": d, "tid": tid}
+          for n, t, d, tid in (("backend.py(75): build", 1, 3, 2), ("backend.py(75): build", 16, 4, 2),
+                               ("loop.py(9): busy_loop", -5, 99, 2),  # began before the window
+                               ("sched.py(3): schedule", 40, 20, 2),  # ends after it: clipped to 5
+                               ("other.py(1): f", 20, 5, 7))]  # another thread
+    for e in ann + calls + other + py:
+        e.setdefault("pid", 1)
+        e.setdefault("tid", 2)
     path = tmp_path / "t.json"
-    path.write_text(json.dumps(ann + calls + other))
+    path.write_text(json.dumps(ann + calls + other + py))
     s = _load("e2e_decode").summarize_trace(str(path))
     assert (s["host_steps"], s["host_in_steps_us"], s["host_between_steps_us"]) == (3, 30, 15)
     assert s["host_blocked_us"] == 12 and s["host_blocked_by_call_us"] == {"cudaGraphLaunch": 8.0,
                                                                          "cudaEventSynchronize": 4.0}
+    assert s["host_functions_us"] == {"backend.py(75): build": 7.0, "sched.py(3): schedule": 5.0}
     assert s["gpu_busy_us"] == 3
     per = _load("e2e_decode")._per_step(s, 16)  # per traced step range (3), not per 16 steps asked for
     assert per["host_in_step_ms"] == 0.01 and per["host_between_steps_ms"] == 0.0075 and per["host_blocked_ms"] == 0.004
@@ -381,7 +391,7 @@ def test_e2e_two_engines_on_vllm_cpu(tmp_path):
     env.pop("VLLM_GDN_REPLAYSSM", None)
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_decode.py"), "--shape", "tiny",
                         "--batches", "2,3", "--pairs", "2", "--in-len", "16", "--out-len", "12", "--min-batch", "1",
-                        "--profile-batches", "3", "--workdir", str(tmp_path / "w"), "--out", str(out)],
+                        "--profile-batches", "3", "--profile-stack", "--workdir", str(tmp_path / "w"), "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     res = json.load(open(out))
@@ -392,9 +402,13 @@ def test_e2e_two_engines_on_vllm_cpu(tmp_path):
     logs = {arm: "\n".join(res["engines"][arm]["engine_cache_log"]) for arm in ("native", "patched")}
     assert "decode through the ring" in logs["patched"] and "decode through the ring" not in logs["native"]
     assert all("Maximum concurrency" in logs[arm] for arm in logs)
+    ours = {}
     for arm in ("native", "patched"):
         prof = res["engines"][arm]["profiles"]["3"]
         assert 8 <= prof["host_steps"] <= 16 and prof["host_in_steps_us"] > 0, prof  # 16 traced, ends may drop
+        ours[arm] = [f for f in prof["host_functions_us"] if "replayssm_patch" in f]
+    # the Python stacks show the patched engine's steps running our code, and none of it in native's
+    assert ours["patched"] and ours["native"] == [], ours
     assert res["table"]["3"]["patched_host_in_step_ms"] > 0
     assert json.load(open(str(out) + ".partial"))["pairs"].keys() == {"2", "3"}
     assert "batch 3 pair 1 (BA)" in p.stdout
