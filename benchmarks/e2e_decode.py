@@ -34,6 +34,9 @@ accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acc
 counters are recorded per arm). `--mtp-kernel flashinfer` gives the patched arm FlashInfer's
 verify kernel (patch(mtp_kernel=...)).
 
+Each engine's KV-cache size (tokens) and maximum concurrency come from its log; the summary
+gives the patched engine's tokens over native's (both engines have the same memory).
+
 `--profile-batches B,...` adds, after each listed batch's pairs, a torch-profiler trace of 16
 decode steps of that batch per engine (vLLM's `profiler_config`, after the prefill) and reports
 the GPU time per kernel name, the GPU-busy time and the span of those steps: where a patched
@@ -219,6 +222,7 @@ class EngineLog:
 
 
 _CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
 def check_engine_log(name: str, log: str, args, max_batch: int) -> dict:
@@ -244,7 +248,9 @@ def check_engine_log(name: str, log: str, args, max_batch: int) -> dict:
         raise SystemExit(f"{name} engine: its KV cache holds {min(room):.0f} requests of this length, fewer than "
                          f"batch {max_batch}, so the batch would not run at once: raise --gpu-util "
                          f"(now {args.gpu_util}) or leave that batch out")
-    return {"engine_cache_log": [ln.strip()[-220:] for ln in log.splitlines()
+    tokens = [int(x.replace(",", "")) for x in _KV_TOKENS.findall(log)]
+    return {"kv_cache_tokens": min(tokens) if tokens else None, "max_concurrency": min(room),
+            "engine_cache_log": [ln.strip()[-220:] for ln in log.splitlines()
                                  if "Maximum concurrency" in ln or "KV cache size" in ln
                                  or "decode through the ring" in ln or "verify kernel:" in ln][:6]}
 
@@ -495,6 +501,9 @@ def finish(args, res):
               flush=True)
     summary = {"config": config_name(args), "shape": args.shape,
                "pairs": min(len(res["pairs"][str(b)]) for b in table)}
+    kv = [res["engines"][name].get("kv_cache_tokens") for name in ARMS]
+    if all(kv):  # what fits: the patched engine's KV-cache tokens against native's, same memory
+        summary["kv_cache_tokens_patched_over_native"] = round(kv[1] / kv[0], 4)
     if args.mtp:
         summary["mtp_kernel"] = args.mtp_kernel
     tag = f"t{args.mtp}_" if args.mtp else ""

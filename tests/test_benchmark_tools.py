@@ -118,6 +118,7 @@ def test_e2e_summary_is_the_median_of_pair_ratios_with_min_max_and_idle(tmp_path
     mod = _load("e2e_decode")
     res = _result({1: [(10.0, 10.0), (10.0, 11.0), (10.0, 9.0)], 64: [(20.0, 18.0), (21.0, 19.0), (20.0, 25.0)]},
                   profiles={"native": {64: (15, 20)}, "patched": {64: (14, 21)}})
+    res["engines"]["native"]["kv_cache_tokens"], res["engines"]["patched"]["kv_cache_tokens"] = 600, 510
     out = mod.finish(_args(mod, tmp_path), res)
     row = out["table"][64]
     assert row["pair_speedups"] == [round(20 / 18, 4), round(21 / 19, 4), round(20 / 25, 4)]
@@ -128,6 +129,7 @@ def test_e2e_summary_is_the_median_of_pair_ratios_with_min_max_and_idle(tmp_path
     assert "idle_excess_of_native_step" not in out["table"][1]  # batch 1 was not profiled
     s = out["summary"]
     assert s["config"] == "default" and s["pairs"] == 3 and s["speedup_b1"] == 1.0
+    assert s["kv_cache_tokens_patched_over_native"] == 0.85
     assert json.load(open(tmp_path / "e2e.json"))["summary"] == s
     assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -177,8 +179,10 @@ def test_e2e_engine_logs_must_show_the_arm_asked_for(tmp_path):
     stops the run; the cache lines are kept."""
     mod = _load("e2e_decode")
     room = _ROOM.format("600.00")
-    kept = mod.check_engine_log("patched", room + "\n" + _RING, _args(mod, tmp_path), 512)["engine_cache_log"]
+    got = mod.check_engine_log("patched", room + "\n" + _RING, _args(mod, tmp_path), 512)
+    kept = got["engine_cache_log"]
     assert len(kept) == 2 and kept[1].endswith("(L=32, ...)")
+    assert got["kv_cache_tokens"] == 200000 and got["max_concurrency"] == 600.0
     mod.check_engine_log("native", room, _args(mod, tmp_path), 512)
     with pytest.raises(SystemExit, match="native engine: its log shows the ring"):
         mod.check_engine_log("native", room + "\n" + _RING, _args(mod, tmp_path), 512)
@@ -402,6 +406,7 @@ def test_e2e_two_engines_on_vllm_cpu(tmp_path):
     logs = {arm: "\n".join(res["engines"][arm]["engine_cache_log"]) for arm in ("native", "patched")}
     assert "decode through the ring" in logs["patched"] and "decode through the ring" not in logs["native"]
     assert all("Maximum concurrency" in logs[arm] for arm in logs)
+    assert res["summary"]["kv_cache_tokens_patched_over_native"] > 0
     ours = {}
     for arm in ("native", "patched"):
         prof = res["engines"][arm]["profiles"]["3"]
