@@ -429,12 +429,29 @@ def main() -> None:
     cmd = [sys.executable, os.path.abspath(__file__), "--engines", "--model", model, "--log", log,
            "--profile-dir", os.path.join(workdir, "profiles"), "--pairs-out", pairs_out] + sys.argv[1:]
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    text = open(log, errors="replace").read()
-    print("\n".join(ln for ln in text.splitlines() if ln.startswith(("[", "batch "))), flush=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    rc = follow_progress(proc, log)
     if rc != 0:
-        raise SystemExit(f"the engines' process failed (rc {rc}), log {log}:\n{text[-6000:]}")
+        raise SystemExit(f"the engines' process failed (rc {rc}), log {log}:\n"
+                         f"{open(log, errors='replace').read()[-6000:]}")
     finish(args, json.load(open(pairs_out)))
+
+
+def follow_progress(proc, log, every_s=2.0) -> int:
+    """Echo the progress lines the engines' process writes to `log` ("[arm] engine up",
+    "batch B pair P ...") while it runs, among vLLM's own lines; returns its exit code."""
+    with open(log, errors="replace") as f:
+        pending = ""
+        while True:
+            rc = proc.poll()
+            pending += f.read()
+            *lines, pending = pending.split("\n")
+            for ln in lines:
+                if ln.startswith(("[native]", "[patched]", "batch ")):
+                    print(ln, flush=True)
+            if rc is not None:
+                return rc
+            time.sleep(every_s)
 
 
 def _per_step(profile, steps) -> dict:
