@@ -54,9 +54,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import glob
 import gzip
+import json
 import os
 import re
 import subprocess
