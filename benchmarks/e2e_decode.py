@@ -123,7 +123,7 @@ def engines(args) -> None:
     """Both arms in this process (see the module docstring); writes the result so far to
     `args.pairs_out` after each batch size, so a cut-off session keeps its finished pairs."""
     os.environ.pop("VLLM_GDN_REPLAYSSM", None)  # the native engine's processes start unpatched
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     batches = [int(b) for b in args.batches.split(",")]
     profiled = {int(b) for b in args.profile_batches.split(",") if b}
@@ -157,13 +157,13 @@ def engines(args) -> None:
     for b in batches:
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 150000 + 3 for j in range(args.in_len)]} for i in range(b)]
         for name in ARMS:  # warm this batch size (prefix cache: later prompts hit it equally in both arms)
-            generate_s(llms[name], SamplingParams, prompts, 4)
+            generate_s(llms[name], prompts, 4)
         pairs = res["pairs"][str(b)] = []
         for p in range(args.pairs):
             order = ARMS if p % 2 == 0 else ARMS[::-1]
             pair = {"order": "AB" if order == ARMS else "BA"}
             for name in order:
-                pair[name] = measure(llms[name], SamplingParams, prompts, args.out_len)
+                pair[name] = measure(llms[name], prompts, args.out_len)
             pairs.append(pair)
             print(f"batch {b} pair {p} ({pair['order']}): step native {pair['native']['step_ms']:.3f} ms, "
                   f"patched {pair['patched']['step_ms']:.3f} ms", flush=True)
@@ -185,9 +185,11 @@ def engines(args) -> None:
     json.dump(res, open(args.pairs_out, "w"), indent=1)
 
 
-def generate_s(llm, SamplingParams, prompts, n) -> float:
+def generate_s(llm, prompts, n) -> float:
     """Seconds for one generate() of `n` tokens per prompt (it returns once the engine's
     process has sent every token, so no device sync is needed in this process)."""
+    from vllm import SamplingParams
+
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -195,10 +197,10 @@ def generate_s(llm, SamplingParams, prompts, n) -> float:
     return time.perf_counter() - t
 
 
-def measure(llm, SamplingParams, prompts, out_len) -> dict:
+def measure(llm, prompts, out_len) -> dict:
     """One arm's decode time at this batch: a generate of `out_len` tokens less one of 1 token."""
-    t1 = min(generate_s(llm, SamplingParams, prompts, 1) for _ in range(2))
-    tn = generate_s(llm, SamplingParams, prompts, out_len)
+    t1 = min(generate_s(llm, prompts, 1) for _ in range(2))
+    tn = generate_s(llm, prompts, out_len)
     decode, steps = tn - t1, out_len - 1
     return {"t_first_token_s": t1, "t_total_s": tn, "decode_s": decode, "step_ms": 1e3 * decode / steps,
             "per_request_tok_s": steps / decode, "aggregate_tok_s": len(prompts) * steps / decode}
@@ -581,21 +583,21 @@ def plot(result, path):
 def merge(args):
     """Join the pairs of several result files of one configuration (e.g. a cut-off session's
     `.partial` and a later run) into one table; the engines' records are the first file's."""
-    first, pairs = None, {}
+    first, pairs, merged_from = None, {}, []
     for path in args.merge:
         data = json.load(open(path))
         first = first or data
         for b, ps in data["pairs"].items():
             pairs.setdefault(b, []).extend(ps)
+        merged_from.append({"path": path, "command": data.get("command"), "date": data.get("date")})
     for k, v in first.get("config", {}).items():
-        if k not in ("out", "order", "kernel_json", "plot", "batches"):
+        if k not in ("out", "kernel_json", "plot", "batches"):
             setattr(args, k, v)
     args.batches = ",".join(sorted(pairs, key=int))
     out, png = args.out, args.plot
     args.out = args.plot = None
     res = finish(args, dict(first, pairs=pairs))
-    res["merged_from"] = [{"path": p, "command": json.load(open(p)).get("command"), "date": json.load(open(p)).get("date")}
-                          for p in args.merge]
+    res["merged_from"] = merged_from
     if out:
         json.dump(res, open(out, "w"), indent=1)
     if png:
