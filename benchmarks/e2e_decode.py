@@ -45,6 +45,10 @@ beside the wall time, with the host's side: the time inside vLLM's step range, b
 in runtime calls that wait for the GPU. `--profile-stack` adds the profiler's Python stacks and,
 per engine, the time of the Python functions on the step's thread (children included).
 
+The patched arm decodes through the ring at every batch (`--min-batch 1`): the ring is what is
+measured. The default a user gets (`min_batch="auto"`) keeps plain decode native on CUDA for an
+fp32 state (replayssm_patch/dispatch.py, from this benchmark's results).
+
 The Amdahl bound per batch size is computed from the native step time and, when given
 (`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
 dtype: bound = step / (step - layers * (t_native_kernel - t_ring_kernel)).
@@ -381,8 +385,9 @@ def main() -> None:
     ap.add_argument("--kernel-json", default=None)
     ap.add_argument("--kernel-shape", default="qwen3-next", help="kernel benchmark shape with H=16, HV=32")
     ap.add_argument("--ring-dtype", default="auto")
-    ap.add_argument("--min-batch", default="auto",
-                    help="patched arm's min_batch: 'auto' (the dispatch table) or N (the ring from batch N; 1: always)")
+    ap.add_argument("--min-batch", default="1",
+                    help="patched arm's min_batch: N (the ring from batch N; 1, the default: always) or 'auto' "
+                         "(the dispatch table, which keeps plain decode native on CUDA for an fp32 state)")
     ap.add_argument("--workdir", default=None, help="where the model config, the engines' log and the profiles go "
                                                     "(default: a new temp dir)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multiprocessing executor for > 1)")

@@ -12,10 +12,12 @@ Both arms run in one process on one GPU, interleaved, on the same shapes:
 * batch 1, 2, 4, ..., 512; ring length L = 16.
 
 Timing: whole L-step cycles. Row r starts at cursor r % L, so each step 1/L of the rows flush
-and a cycle brings every cursor back to where it started. For each arm a CUDA graph is captured
-over one cycle of L steps x NL layers (NL independent sets of buffers, so that a layer's state
-is not still in L2 from the previous step: NL x per-layer bytes >= 256 MiB, at most 64 layers);
-graphs remove launch overhead for BOTH arms equally. Replays of the arms alternate; each is
+and a cycle brings every cursor back to where it started. `--cursors lockstep` starts every row
+at cursor 0 instead, as a batch prefilled together decodes: all rows flush in the same step.
+For each arm a CUDA graph is captured over one cycle of L steps x NL layers (NL independent
+sets of buffers, so that a layer's state is not still in L2 from the previous step: NL x
+per-layer bytes >= 256 MiB, at most 64 layers); graphs remove launch overhead for BOTH arms
+equally. Replays of the arms alternate; each is
 timed with CUDA events; the median over replays / (L * NL) is the time per layer-step.
 
 Roofline for ours: bytes that must move per step (state read once, state written 1/L of the
@@ -191,7 +193,7 @@ def load_flashinfer():
 class Layer:
     """One layer's buffers for batch B: inputs, our state + ring, native's state."""
 
-    def __init__(self, B, H, HV, sdt, gen, dev="cuda", native=True):
+    def __init__(self, B, H, HV, sdt, gen, dev="cuda", native=True, lockstep=False):
         K = V = HEAD_DIM
         slots = B + 1  # slot 0 is vLLM's NULL block
         self.B, self.H, self.HV = B, H, HV
@@ -208,6 +210,8 @@ class Layer:
             torch.randn(slots, H, L, K, generator=gen, device=dev), dim=-1).to(RING_DTYPE)
         self.ring_g = torch.cumsum(-torch.rand(slots, HV, L, generator=gen, device=dev) * 0.05, -1)
         self.cursor = (torch.arange(slots, device=dev, dtype=torch.int32) - 1).clamp_min(0) % L
+        if lockstep:
+            self.cursor.zero_()
         self.cursor0 = self.cursor.clone()
         self.native_state = self.state.clone() if native else None
         self.native_out = torch.empty_like(self.out)
@@ -429,7 +433,7 @@ def run(args):
         "command": " ".join(["python"] + sys.argv),
         "method": "CUDA graph per arm over one full L-step cycle x NL layers, replays interleaved, "
                   "CUDA events, median; us per layer-step",
-        "L": L, "reps": args.reps, "sweep_reps": args.sweep_reps,
+        "L": L, "cursors": args.cursors, "reps": args.reps, "sweep_reps": args.sweep_reps,
         "precompile_errors": errors,
         "baseline": args.baseline_label if args.baseline else None,
         "flashinfer": (fi_version if fi_fn else f"not loaded: {fi_version}") if args.flashinfer else None,
@@ -444,7 +448,7 @@ def run(args):
                 per_layer = b_ours
                 NL = max(1, min(MAX_LAYERS, math.ceil(MIN_FOOTPRINT / per_layer)))
                 gen = torch.Generator(device="cuda").manual_seed(B * 131 + HV)
-                layers = [Layer(B, H, HV, sdt, gen) for _ in range(NL)]
+                layers = [Layer(B, H, HV, sdt, gen, lockstep=args.cursors == "lockstep") for _ in range(NL)]
                 heur = pick_decode_launch(B, HV, sdt, RING_DTYPE, L, dev)
                 # FlashInfer first: the other captures' warm-up cycles move their states (and ours'
                 # rings) on, so only now do all arms hold the same initial state for its check
@@ -572,15 +576,16 @@ def per_dtype_summary(rows):
     def wide(r):
         return r["state_dtype"] == "fp32"
 
-    def min_batch(r):
-        return AUTO_MIN_BATCH[("cuda", not wide(r))]
+    def dispatched(r):  # a None threshold: plain decode stays native at every batch
+        min_batch = AUTO_MIN_BATCH[("cuda", not wide(r))]
+        return min_batch is not None and r["batch"] >= min_batch
 
     out = {
         "min_roofline_fraction_b64plus_fp32": lo(lambda r: wide(r) and r["batch"] >= 64, "roofline_fraction"),
         "min_roofline_fraction_b64plus_16bit": lo(lambda r: not wide(r) and r["batch"] >= 64, "roofline_fraction"),
         "min_speedup_b512_fp32": lo(lambda r: wide(r) and r["batch"] == 512, "speedup"),
         "min_speedup_b512_16bit": lo(lambda r: not wide(r) and r["batch"] == 512, "speedup"),
-        "min_speedup_where_dispatched": lo(lambda r: r["batch"] >= min_batch(r), "speedup"),
+        "min_speedup_where_dispatched": lo(dispatched, "speedup"),
         "dispatch_min_batch": {"fp32": AUTO_MIN_BATCH[("cuda", False)], "16bit": AUTO_MIN_BATCH[("cuda", True)]},
     }
     fi = [r for r in rows if "flashinfer_us" in r]
@@ -661,8 +666,10 @@ def render_md(res):
         f"vLLM {res['vllm']} ({res['vllm_loaded_as']}), Python {res['python']}, {res['date']}.",
         f"Command: `{res['command']}`" + (f"; then `{res['rescored_by']}`" if shipped else ""),
         "",
-        f"Method: {res['method']}. Ring length L={res['L']}, cursors staggered (row r starts at "
-        f"r % L), activations bf16, ring d/k {res['rows'][0].get('ring_dtype', 'bf16')}, ring g fp32, "
+        f"Method: {res['method']}. Ring length L={res['L']}, "
+        + ("cursors in lockstep (every row starts at 0)" if res.get("cursors") == "lockstep"
+           else "cursors staggered (row r starts at r % L)")
+        + f", activations bf16, ring d/k {res['rows'][0].get('ring_dtype', 'bf16')}, ring g fp32, "
         "K=V=128. Roofline = bytes ours "
         f"must move per step / measured copy bandwidth ({s['copy_bandwidth_TBps']} TB/s, read+write).",
         "",
@@ -750,6 +757,8 @@ def main(argv=None):
     ap.add_argument("--sweep-reps", type=int, default=5)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--max-batch", type=int, default=512)
+    ap.add_argument("--cursors", choices=["staggered", "lockstep"], default="staggered",
+                    help="rows' ring cursors at the start of a cycle: r %% L, or all 0 (flushes in one step)")
     ap.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     ap.add_argument("--dtypes", nargs="*", default=list(STATE_DTYPES))
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))

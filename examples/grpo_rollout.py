@@ -38,8 +38,10 @@ state (Qwen3.5's own default; 16-bit states stay native there).
 
 To use the patch inside a trainer that runs vLLM in-process
 (unsloth's `fast_generate`, or `LLM(...)` directly), call `replayssm_patch.patch()` before the
-engine is created; if unsloth-zoo's own GDN ReplaySSM backport is enabled
-(`UNSLOTH_VLLM_REPLAYSSM=1`), replayssm_patch refuses to patch twice and says so.
+engine is created; plain decode stays native by default (`min_batch="auto"`), and
+`patch(min_batch=1)` puts it through the ring, as this script's patched arm does. If
+unsloth-zoo's own GDN ReplaySSM backport is enabled (`UNSLOTH_VLLM_REPLAYSSM=1`),
+replayssm_patch refuses to patch twice and says so.
 """
 
 from __future__ import annotations
@@ -185,10 +187,10 @@ def main() -> int:
                          "prefill does would inject it and change the tokens. Not re-applied after a "
                          "wake-up: the rings live in the KV cache, which sleep discards and wake-up "
                          "re-maps with unspecified contents")
-    ap.add_argument("--min-batch", default="auto",
+    ap.add_argument("--min-batch", default="1",
                     help="patch(min_batch=...) in the patched arm: the smallest decode batch served by the ring "
-                         "(default auto: the measured table; on CPU plain decode then stays native, so pass 1 to "
-                         "run the ring there)")
+                         "(default 1: every batch; 'auto', the measured table, keeps plain decode native on CPU "
+                         "and, for an fp32 state, on CUDA)")
     ap.add_argument("--out", default=None, help="also write the summary JSON to this file")
     ap.add_argument("--arm", choices=["native", "patched"], help=argparse.SUPPRESS)
     args = ap.parse_args()

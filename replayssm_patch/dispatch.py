@@ -12,9 +12,15 @@ vLLM's native MTP path nothing to run on.
 
 `AUTO_MIN_BATCH` is the table `min_batch="auto"` reads, per platform and state width:
 
-* CUDA, fp32 state: 1. The H200 kernel benchmark (vLLM 0.33.0, 2026-12-03,
-  benchmarks/results/kernel_decode_fp32ring.md) measured the ring 1.00-1.76x vLLM's packed
-  decode at every batch from 1 to 512 for both model shapes.
+* CUDA, fp32 state: never (None). The kernel wins at every batch (H200, vLLM 0.33.0,
+  2026-12-03, benchmarks/results/kernel_decode_fp32ring.md: 1.00-1.76x vLLM's packed decode
+  from 1 to 512 rows, both model shapes), but the step does not: end to end in vLLM's default
+  config (9B shape, two engines alternating, 3 pairs, 2026-12-05,
+  benchmarks/results/e2e_fp32_2026-12-05/) the median pair ratio is 1.01 at batch 16, 0.97 at
+  64 and 0.96 at 256 (every pair at 64 and 256 below 1; 0.86 / 0.92 on 2026-12-01), and the
+  ring's pages cost 15% of the KV-cache tokens at every batch. A threshold cannot keep the
+  ring at 16 and drop it at 64, and its memory is paid whatever the batch, so plain decode
+  stays native and the ring is not allocated; an explicit `min_batch` serves it.
 * CUDA, 16-bit state: 256. The kernel (tensor-core mat-vecs, kernel_decode.md, 2026-12-03) is
   0.85-1.00x vLLM's up to batch 16, 1.15x at 32, 1.31x at 64 and 1.43-1.53x from 128 (9B shape);
   but end to end (H200, vLLM's default config, bf16 state, 9B shape, 3 interleaved pairs,
@@ -36,7 +42,7 @@ from __future__ import annotations
 import torch
 
 AUTO_MIN_BATCH = {
-    ("cuda", False): 1,
+    ("cuda", False): None,
     ("cuda", True): 256,
     ("cpu", False): None,
     ("cpu", True): None,

@@ -60,7 +60,7 @@ class Options:
     # ReplaySSM MTP kernel on the same rings: bf16 state, windows of 4 or 8 tokens, Hopper+;
     # needs flashinfer-python and nvidia-cutlass-dsl). Experimental: slower than ours end to end
     # on 2026-12-04, with its ring bookkeeping as ~30 torch ops per call (two kernels since; an
-    # alignment bug their first GPU run found is fixed, not yet re-run on a GPU).
+    # alignment bug their first GPU run found is fixed; the GPU tests pass since, 2026-12-05).
     mtp_kernel: str = "triton"
 
     def to_env(self) -> dict[str, str]:

@@ -222,6 +222,7 @@ def test_kernel_summary_by_state_width_dispatch_and_baseline(tmp_path):
     mod = _load("kernel_decode")
     rows = [
         _kernel_row("qwen3-next", "fp32", 1, 10.0, 8.0, 8.1),
+        _kernel_row("qwen3-next", "fp32", 8, 10.0, 11.0),  # fp32 plain decode stays native by default
         _kernel_row("qwen3-next", "fp32", 512, 300.0, 200.0, 198.0),
         _kernel_row("qwen3-next", "bf16", 64, 50.0, 55.0, 55.0),   # below the 16-bit dispatch threshold
         _kernel_row("qwen3-next", "bf16", 256, 90.0, 80.0, 84.0),
@@ -229,9 +230,10 @@ def test_kernel_summary_by_state_width_dispatch_and_baseline(tmp_path):
     ]
     s = mod.per_dtype_summary(rows)
     assert s["min_speedup_b512_fp32"] == 1.5 and s["min_speedup_b512_16bit"] == 1.25
-    # bf16 at batch 64 is not dispatched to the ring: its 0.91 does not count
+    # neither bf16 at batch 64 (below the 16-bit threshold) nor any fp32 row is dispatched to the
+    # ring: their 0.91 does not count
     assert s["min_speedup_where_dispatched"] == 1.125
-    assert s["dispatch_min_batch"] == {"fp32": 1, "16bit": 256}
+    assert s["dispatch_min_batch"] == {"fp32": None, "16bit": 256}
     assert s["vs_baseline_cells"] == 5 and s["vs_baseline_max"] == 1.05 and s["vs_baseline_min"] == 0.99
     assert s["vs_baseline_median"] == 1.0063  # of 1.0125, 0.99, 1.0, 1.05, 1.0063
     import argparse

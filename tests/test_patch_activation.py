@@ -305,11 +305,11 @@ def test_doctor_reports_ring_layers_memory_and_fallback_reasons():
     assert rc == 1 and "speculative decoding with prefix caching" in out
 
 
-def test_cuda_16bit_state_stays_native_unless_allowed(monkeypatch):
+def test_cuda_16bit_state_opt_in_and_fp32_plain_decode_native_by_default(monkeypatch):
     from vllm.platforms import current_platform
 
     from replayssm_patch import kernels
-    from replayssm_patch.ring_plan import plan_for
+    from replayssm_patch.ring_plan import CUDA_PLAIN_DECODE_REASON, only_by_choice, plan_for
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
     monkeypatch.setattr(kernels, "gpu_kernels_available", lambda: (True, ""))
@@ -319,8 +319,11 @@ def test_cuda_16bit_state_stays_native_unless_allowed(monkeypatch):
     auto = options.Options(enabled=True)
     opted_in, _ = plan_for(bf16, options.Options(enabled=True, allow_16bit_state=True))
     assert opted_in is not None and opted_in.min_batch == 256  # dispatch.AUTO_MIN_BATCH
-    fp32, _ = plan_for(fake_config(), auto)
-    assert fp32 is not None and fp32.min_batch == 1  # fp32 state is served at every batch
+    fp32, reasons = plan_for(fake_config(), auto)
+    # fp32 plain decode stays native by default on CUDA (dispatch.AUTO_MIN_BATCH), by choice
+    assert fp32 is None and reasons == [CUDA_PLAIN_DECODE_REASON] and only_by_choice(reasons)
+    fp32, _ = plan_for(fake_config(), options.Options(enabled=True, min_batch=1))
+    assert fp32 is not None and fp32.min_batch == 1
 
 
 def test_cpu_plain_decode_is_native_by_default_and_served_on_request():
@@ -451,7 +454,10 @@ def test_cuda_mtp_native_by_default_served_when_opted_in(fake_cuda_mtp, monkeypa
     plan, reasons = plan_for(_mtp_config(7), opted_in)
     assert reasons == [] and plan.spec_window == 8 and plan.ring_len == 32
     assert plan_for(_mtp_config(7, **{"cache_config.mamba_cache_mode": "align"}), opted_in)[0] is None
-    assert plan_for(fake_config(), default)[0] is not None  # no speculative config: served as before
+    # no speculative config: plain decode, native on CUDA unless min_batch is given
+    assert plan_for(fake_config(), default)[0] is None
+    assert plan_for(fake_config(), options.from_env({"VLLM_GDN_REPLAYSSM": "1",
+                                                     "VLLM_GDN_REPLAYSSM_MIN_BATCH": "1"}))[0] is not None
 
     monkeypatch.setitem(patching.state, "options", opted_in)
     with caplog.at_level(logging.INFO, logger=patching.logger.name):

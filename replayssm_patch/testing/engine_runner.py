@@ -184,7 +184,7 @@ def main(spec_path: str) -> None:
     if spec["patched"] and spec.get("via", "patch") == "patch":
         import replayssm_patch
 
-        # min_batch 1 unless the spec says otherwise: on CPU "auto" keeps plain decode native
+        # min_batch 1 unless the spec says otherwise: "auto" keeps plain decode native (CPU; CUDA, fp32 state)
         report = replayssm_patch.patch(ring_len=spec.get("ring_len", 16), strict=spec.get("strict", True),
                                        ring_dtype=spec.get("ring_dtype", "auto"),
                                        min_batch=spec.get("min_batch", 1))
