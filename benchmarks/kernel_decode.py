@@ -17,8 +17,8 @@ at cursor 0 instead, as a batch prefilled together decodes: all rows flush in th
 For each arm a CUDA graph is captured over one cycle of L steps x NL layers (NL independent
 sets of buffers, so that a layer's state is not still in L2 from the previous step: NL x
 per-layer bytes >= 256 MiB, at most 64 layers); graphs remove launch overhead for BOTH arms
-equally. Replays of the arms alternate; each is
-timed with CUDA events; the median over replays / (L * NL) is the time per layer-step.
+equally. Replays of the arms alternate; each is timed with CUDA events; the median over
+replays / (L * NL) is the time per layer-step.
 
 Roofline for ours: bytes that must move per step (state read once, state written 1/L of the
 time, the live ring entries read, one ring entry written on non-flush steps, qkv/a/b read,
