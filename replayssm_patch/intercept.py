@@ -142,6 +142,8 @@ def make_packed_decode_wrapper(native):
     bind = _binder(native)
 
     def packed_decode(*args, **kw):
+        if _active is None:  # outside a ring layer's call: vLLM's kernel, the call untouched
+            return native(*args, **kw)
         p = bind(args, kw)
         state, idx = p["initial_state"], p["ssm_state_indices"]
         call = _match(state)
@@ -163,6 +165,8 @@ def make_sigmoid_update_wrapper(native):
     bind = _binder(native)
 
     def sigmoid_update(*args, **kw):
+        if _active is None:  # outside a ring layer's call: vLLM's kernel, the call untouched
+            return native(*args, **kw)
         p = bind(args, kw)
         state, idx, q = p["initial_state"], p["ssm_state_indices"], p["q"]
         call = _match(state)
@@ -191,6 +195,8 @@ def make_cpu_update_wrapper(native):
     bind = _binder(native)
 
     def cpu_update(*args, **kw):
+        if _active is None:  # outside a ring layer's call: vLLM's kernel, the call untouched
+            return native(*args, **kw)
         p = bind(args, kw)
         src, idx, q = p["initial_state_source"], p["initial_state_indices"], p["q"]
         call = _match(src)
@@ -222,6 +228,8 @@ def make_cpu_spec_update_wrapper(native):
     bind = _binder(native)
 
     def cpu_spec_update(*args, **kw):
+        if _active is None:  # outside a ring layer's call: vLLM's kernel, the call untouched
+            return native(*args, **kw)
         p = bind(args, kw)
         src = p["initial_state_source"]
         call = _match(src)

@@ -42,3 +42,18 @@ def test_wrappers_keep_name_signature_and_wrapped(make):
     w = make(native)
     assert w.__wrapped__ is native and w.__name__ == "native"
     assert inspect.signature(w) == inspect.signature(native)
+
+
+@pytest.mark.parametrize("make", [intercept.make_packed_decode_wrapper, intercept.make_sigmoid_update_wrapper,
+                                  intercept.make_cpu_update_wrapper, intercept.make_cpu_spec_update_wrapper])
+def test_outside_a_ring_call_the_native_function_gets_the_call_as_made(make):
+    """No ring layer is running (every GDN layer native, or a prefill path): the wrapper hands
+    vLLM's function the call as made, positional arguments as positional, without binding."""
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append((args, kw))
+        return "native"
+
+    assert intercept._active is None
+    assert make(spy)(1, 2, v=3) == "native" and calls == [((1, 2), {"v": 3})]
