@@ -138,13 +138,22 @@ def _verify_split_qkv(call, p, state, slots, cu, num_accepted, q, leading, numer
     return out
 
 
-def make_packed_decode_wrapper(native):
+def _ring_aware(native, serve):
+    """vLLM's `native` wrapped: outside a ring layer's call the call goes to it as made (no
+    binding: every eager call of a native layer takes this path); inside one, `serve` gets every
+    argument by name. The wrapper keeps native's name, doc and signature (`__wrapped__`)."""
     bind = _binder(native)
 
-    def packed_decode(*args, **kw):
-        if _active is None:  # outside a ring layer's call: vLLM's kernel, the call untouched
+    def wrapper(*args, **kw):
+        if _active is None:
             return native(*args, **kw)
-        p = bind(args, kw)
+        return serve(bind(args, kw))
+
+    return functools.update_wrapper(wrapper, native)
+
+
+def make_packed_decode_wrapper(native):
+    def packed_decode(p):
         state, idx = p["initial_state"], p["ssm_state_indices"]
         call = _match(state)
         if call is None or not p["use_qk_l2norm_in_kernel"]:
@@ -158,16 +167,11 @@ def make_packed_decode_wrapper(native):
                        call.force_flush[:n], call.start_empty[:n])
         return out, state
 
-    return functools.update_wrapper(packed_decode, native)  # name, doc, __wrapped__ (signature)
+    return _ring_aware(native, packed_decode)
 
 
 def make_sigmoid_update_wrapper(native):
-    bind = _binder(native)
-
-    def sigmoid_update(*args, **kw):
-        if _active is None:  # outside a ring layer's call: vLLM's kernel, the call untouched
-            return native(*args, **kw)
-        p = bind(args, kw)
+    def sigmoid_update(p):
         state, idx, q = p["initial_state"], p["ssm_state_indices"], p["q"]
         call = _match(state)
         if call is None:
@@ -188,16 +192,11 @@ def make_sigmoid_update_wrapper(native):
         out = _decode_split_qkv(call, p, state, idx, leading=(1, n))
         return out, state
 
-    return functools.update_wrapper(sigmoid_update, native)  # name, doc, __wrapped__ (signature)
+    return _ring_aware(native, sigmoid_update)
 
 
 def make_cpu_update_wrapper(native):
-    bind = _binder(native)
-
-    def cpu_update(*args, **kw):
-        if _active is None:  # outside a ring layer's call: vLLM's kernel, the call untouched
-            return native(*args, **kw)
-        p = bind(args, kw)
+    def cpu_update(p):
         src, idx, q = p["initial_state_source"], p["initial_state_indices"], p["q"]
         call = _match(src)
         if call is None:
@@ -219,18 +218,13 @@ def make_cpu_update_wrapper(native):
             shadow.check_decode(native, p, call.ring, out, call.start_empty)
         return out
 
-    return functools.update_wrapper(cpu_update, native)  # name, doc, __wrapped__ (signature)
+    return _ring_aware(native, cpu_update)
 
 
 def make_cpu_spec_update_wrapper(native):
     """Wrap `fused_sigmoid_gating_delta_rule_update_spec_cpu` (vLLM's CPU MTP recurrence:
     resume from slot [i, num_accepted-1], write the state after token t to slot [i, t])."""
-    bind = _binder(native)
-
-    def cpu_spec_update(*args, **kw):
-        if _active is None:  # outside a ring layer's call: vLLM's kernel, the call untouched
-            return native(*args, **kw)
-        p = bind(args, kw)
+    def cpu_spec_update(p):
         src = p["initial_state_source"]
         call = _match(src)
         if call is None:
@@ -244,7 +238,7 @@ def make_cpu_spec_update_wrapper(native):
                                  cu, p["num_accepted_tokens"], q, leading=(q.shape[-3],),
                                  numerics=CPU_SPEC_NUMERICS)
 
-    return functools.update_wrapper(cpu_spec_update, native)  # name, doc, __wrapped__ (signature)
+    return _ring_aware(native, cpu_spec_update)
 
 
 def run_with_ring(layer, md, state_for_kernels, native_call):
