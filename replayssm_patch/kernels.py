@@ -82,6 +82,22 @@ def materialize(state, ring, slots, start_empty=None):
     fn(state, ring.d, ring.k, ring.g, ring.cursor, slots, start_empty)
 
 
+def compile_ahead(state, ring, speculative: bool) -> None:
+    """CUDA: compile the ring's maintenance kernels now, at KV-cache binding. vLLM first calls
+    them at a prefill, after its JIT monitor is on: a compile there is a latency spike, a warning,
+    and an error under `--jit-monitor-mode=error`. Each runs on a one-entry slot list holding
+    slot 0, which every one of them skips: nothing changes. `speculative`: also the MTP commit."""
+    null = torch.zeros(1, dtype=torch.int32, device=state.device)  # vLLM's state indices are int32
+    lib.ring_reset(ring.cursor, null)
+    lib.ring_materialize(state, ring.d, ring.k, ring.g, ring.cursor, null)  # a prefill's flush
+    lib.ring_materialize(state, ring.d, ring.k, ring.g, ring.cursor, null,  # a native decode's flush
+                         torch.zeros(1, dtype=torch.int8, device=state.device))
+    if speculative:
+        L = ring.g.shape[-1]
+        lib.ring_commit(ring.cursor, null, null, L)
+        lib.ring_commit(ring.cursor, null, None, L)
+
+
 def reset(ring, slots):
     """Empty the rings of `slots` (<= 0 ignored); the checkpoint is left as it is."""
     counters["reset_calls"] += 1

@@ -16,7 +16,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as vllm_gdn
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
-from . import intercept, shadow
+from . import intercept, kernels, shadow
 from .backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata
 from .decisions import current_plan, layer_report
 from .ring_plan import RingPlan
@@ -77,6 +77,8 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         g, d, k = views
         cursor = torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device)
         self.replay_ring = RingBuffers(g=g, d=d, k=k, cursor=cursor)
+        if pages.is_cuda:
+            kernels.compile_ahead(self.ring_state(), self.replay_ring, bool(self.ring_plan.spec_tokens))
         if shadow.poison_enabled():  # testing aid: garbage in every ring nobody started yet
             shadow.poison_rings(self.replay_ring)
 

@@ -249,6 +249,55 @@ def case_materialize_reset():
     return res
 
 
+def case_compile_ahead_changes_nothing_and_slices_still_work():
+    """kernels.compile_ahead on poisoned rings leaves every byte as it was (all its launches name
+    slot 0); then reset, materialise and commit on slices of an index list that start at every
+    alignment (as vLLM's state-index slices do) agree with the references."""
+    import torch
+
+    from replayssm_patch import kernels
+    from replayssm_patch._vendored import (ring_commit, ring_materialize, ring_materialize_reference, ring_reset,
+                                           ring_reset_reference)
+    from replayssm_patch._vendored.ring_reference import (pack_cursor, ring_commit_pending_reference,
+                                                          unpack_cursor)
+    from replayssm_patch.layer import RingBuffers
+
+    gen = torch.Generator().manual_seed(11)
+    H, HV, K, V, L, slots = 2, 4, 32, 32, 5, 9
+    state = (torch.randn(slots, HV, V, K, generator=gen) * 0.2)
+    state[0] = float("nan")  # the null slot: nothing may read or write it
+    cursor0 = torch.tensor([2, 3, 0, 5, 2, 0, 1, 3, 4])
+    rd, rk, rg, cur = _make_rings(torch, slots, H, HV, K, V, L, torch.bfloat16, gen, cursor0)
+    ring = RingBuffers(g=rg, d=rd, k=rk, cursor=cur)
+    before = [t.clone() for t in (state, rd, rk, rg, cur)]
+    counted = dict(kernels.counters)
+    kernels.compile_ahead(state, ring, speculative=True)
+    for t, b in zip((state, rd, rk, rg, cur), before):
+        assert torch.equal(t.view(torch.uint8) if t.dtype != torch.int32 else t,
+                           b.view(torch.uint8) if b.dtype != torch.int32 else b), "compile_ahead wrote"
+    assert dict(kernels.counters) == counted, kernels.counters  # warming up is not ring work
+    index = torch.tensor([0, 3, 1, 7, 0, 8, 2], dtype=torch.int32)
+    for off in range(4):
+        sel = index[off:off + 3]  # int32 slice: its data pointer moves by 4 bytes per offset
+        mine = [state.clone(), rd.clone(), rk.clone(), rg.clone(), cur.clone()]
+        ref = [t.clone() for t in mine]
+        ring_materialize(*mine, sel)
+        ring_materialize_reference(*ref, sel)
+        assert torch.equal(mine[4], ref[4]) and _rel(mine[0][1:], ref[0][1:]) < 1e-6, off
+        c, c_ref = cur.clone(), cur.clone()
+        ring_reset(c, sel)
+        ring_reset_reference(c_ref, sel)
+        assert torch.equal(c, c_ref), off
+        acc = torch.tensor([1, 2, 1, 3, 1, 2, 1], dtype=torch.int32)[off:off + 3]
+        words = pack_cursor(cur.clamp(max=2), torch.tensor([0, 2, 1, 3, 0, 2, 1, 3, 2]))  # pending windows
+        c = words.clone()
+        ring_commit(c, sel, acc, L)
+        n, pending = unpack_cursor(words.clone())
+        ring_commit_pending_reference(n, pending, sel, acc, L)
+        assert torch.equal(c, pack_cursor(n, pending)), (off, c.tolist())
+    return {"offsets": 4}
+
+
 def case_materialize_drops_start_empty_rows():
     """A row flagged start_empty has a stale ring (its state came without it): dropped (cursor
     0, checkpoint bit-identical), while the other rows flush as usual."""
@@ -365,6 +414,7 @@ CASES = [
     case_replay_two_phase_bf16_strided_gqa3_no_l2norm,
     case_materialize_reset,
     case_materialize_drops_start_empty_rows,
+    case_compile_ahead_changes_nothing_and_slices_still_work,
     case_tc_flush_fused_fp16_flags_full_ring,
     case_tc_flush_two_phase_fp32_state_start_empty,
     case_tc_flush_refused_where_it_cannot_run,

@@ -4,6 +4,10 @@
 
 Materialise takes the cursor with the same arrival ticket as the fused decode kernel (see
 decode_fused): every program of a slot reads n with one atomic add, the last one clears it.
+
+Neither kernel specialises on the slot count or the slot list's alignment: vLLM hands them
+slices of its state indices, and each new variant would compile in the middle of a step
+(`kernels.compile_ahead` compiles the one variant of each before the engine serves).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from .launch import cdiv, next_pow2
 from .ring_checks import ring_geometry
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_slots"], do_not_specialize_on_alignment=["slots", "start_empty"])
 def _ring_materialize_kernel(
     state, ring_d, ring_k, ring_g, cursor, slots, stride_slots, start_empty,
     slot_stride_state, slot_stride_d, slot_stride_k, slot_stride_g,
@@ -65,7 +69,7 @@ def _ring_materialize_kernel(
         tl.atomic_xchg(cursor + slot, 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots", "stride_slots"], do_not_specialize_on_alignment=["slots"])
 def _ring_reset_kernel(cursor, slots, n_slots, stride_slots, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.load(slots + offs.to(tl.int64) * stride_slots, mask=offs < n_slots, other=0).to(tl.int64)

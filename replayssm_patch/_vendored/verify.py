@@ -338,7 +338,8 @@ def commit_rows(cursor, idx, acc, offs, rows, stride_idx, stride_acc, L: tl.cons
     return s, real, n
 
 
-@triton.jit
+# like materialize.py's kernels: one variant whatever the row count and the slices' alignment
+@triton.jit(do_not_specialize=["n_rows", "stride_idx", "stride_acc"], do_not_specialize_on_alignment=["idx", "acc"])
 def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
                         L: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
