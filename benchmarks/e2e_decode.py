@@ -421,7 +421,8 @@ def main() -> None:
                     help="patched arm's min_batch: N (the ring from batch N; 1, the default: always) or 'auto' "
                          "(the dispatch table, which keeps plain decode native on CUDA for an fp32 state)")
     ap.add_argument("--workdir", default=None, help="where the model config, the engines' log and the profiles go "
-                                                    "(default: a new temp dir)")
+                                                    "(default: a new temp dir); runs that share it share vLLM's "
+                                                    "compile cache (the model's path is in its key)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multiprocessing executor for > 1)")
     ap.add_argument("--gdn-heads", default="16,32", metavar="HK,HV",
                     help="GDN key and value heads (default 16,32: Qwen3.5-9B; 16,48 for issue 7's TP=2 shape)")
@@ -462,7 +463,7 @@ def main() -> None:
     workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="replayssm-e2e-"))
     os.makedirs(workdir, exist_ok=True)
     model = os.path.join(workdir, "qwen35-9b-shape")
-    os.makedirs(model)
+    os.makedirs(model, exist_ok=True)  # a reused workdir keeps the model's path: vLLM's compile cache keys on it
     json.dump(model_config(args), open(os.path.join(model, "config.json"), "w"), indent=1)
     # the host probe is a function sent to each engine's worker (collective_rpc), which vLLM
     # unpickles only when allowed to
