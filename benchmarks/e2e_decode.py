@@ -223,7 +223,7 @@ def measure(llm, prompts, out_len) -> dict:
             "per_request_tok_s": steps / decode, "aggregate_tok_s": len(prompts) * steps / decode}
 
 
-def _host_probe(worker=None) -> float:
+def _host_probe(worker) -> float:
     """A fixed pure-Python workload, best of 3 (ms): how fast this process's interpreter runs now.
     vLLM's scheduler and metadata builders are Python of the same kind."""
     best = float("inf")
