@@ -21,7 +21,7 @@ is the one of tests/test_vllm_spec.py, `build_tiny_model(dir, "qwen3_5", **MTP_C
 windows commit every accepted count), both arms get `speculative_config={"method": "mtp",
 "num_speculative_tokens": T}` and prefix caching off (the ring plan refuses MTP with prefix
 caching), and the patched arm is enabled through the environment (VLLM_GDN_REPLAYSSM=1,
-_STRICT=1, _POISON_UNUSED=1 and VLLM_GDN_REPLAYSSM_MTP_CUDA=1, which on CUDA lets the plan
+_STRICT=1, _POISON_UNUSED=1 and VLLM_GDN_REPLAYSSM_MTP=1, the opt-in that lets the plan
 serve MTP). Reported per SSM state, as tests/test_vllm_spec.py reports
 it: vLLM's spec-decode counters per arm (drafts, draft and accepted tokens, accepted per
 position), the GDN cache bytes per request from each engine's KV-cache spec (native 1+T
@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=0, metavar="T",
                     help="MTP speculative decoding with T draft tokens (0: off, the default): the MTP "
                          "checkpoint of tests/test_vllm_spec.py, prefix caching off, the patched arm with "
-                         "VLLM_GDN_REPLAYSSM_MTP_CUDA=1; replaces --checkpoint")
+                         "VLLM_GDN_REPLAYSSM_MTP=1; replaces --checkpoint")
     args = ap.parse_args()
     if args.mtp < 0:
         ap.error(f"--mtp: 0 (off) or a positive number of draft tokens (got {args.mtp})")
@@ -267,11 +267,11 @@ def main() -> None:
         unpacked = run_arm(dict(spec, patched=False, engines=engines), workdir, f"{prefix}native_unpacked",
                            dict(env, VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE="0"))
     if args.mtp or args.tp > 1:  # enabled the way a user would: the environment, which the plugin
-        # reads in every process vLLM starts (workers too); MTP with its CUDA switch set explicitly
+        # reads in every process vLLM starts (workers too); MTP with its opt-in
         patched_env = dict(env, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(args.ring_len),
                            VLLM_GDN_REPLAYSSM_STRICT="1", VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
         if args.mtp:
-            patched_env["VLLM_GDN_REPLAYSSM_MTP_CUDA"] = "1"
+            patched_env["VLLM_GDN_REPLAYSSM_MTP"] = "1"
         patched = run_arm(dict(spec, patched=True, via="env", engines=engines), workdir, f"{prefix}patched",
                           patched_env)
     else:

@@ -36,7 +36,7 @@ against.
 `VLLM_CPU_KVCACHE_SPACE` per engine: the CI runs the two engines that way.
 `--tp N` runs both engines with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
 (16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
-with T drafts to both arms (the patched arm opts in with patch(allow_mtp_cuda=True), as MTP
+with T drafts to both arms (the patched arm opts in with patch(allow_mtp=True), as MTP
 on CUDA stays native by default; prefix caching off in both; with dummy weights drafts are rarely
 accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
 counters are recorded per arm). `--mtp-kernel flashinfer` gives the patched arm FlashInfer's
@@ -155,7 +155,7 @@ def engines(args) -> None:
             # MTP on CUDA goes through the ring only when opted in; patch() also sets the
             # environment the patched engine's processes read
             report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
-                                           allow_mtp_cuda=bool(args.mtp), min_batch=args.min_batch,
+                                           allow_mtp=bool(args.mtp), min_batch=args.min_batch,
                                            mtp_kernel=args.mtp_kernel,
                                            allow_16bit_state=args.state_dtype in ("bfloat16", "float16"))
             assert report["applied"], report

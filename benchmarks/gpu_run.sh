@@ -15,7 +15,7 @@
 #   bash benchmarks/gpu_run.sh mtp             # MTP end to end through the ring (needs install):
 #     e2e_agreement.py --mtp 3 then --mtp 7 (MTP checkpoint of tests/test_vllm_spec.py, prefix
 #     caching off, fp32 SSM state, 16 requests x 128 tokens, native control on; the patched arm
-#     sets VLLM_GDN_REPLAYSSM_MTP_CUDA=1), to $OUT/e2e_agreement_mtp{3,7}.json
+#     sets VLLM_GDN_REPLAYSSM_MTP=1), to $OUT/e2e_agreement_mtp{3,7}.json
 #     + logs: agreement, acceptance per arm, GDN cache bytes per arm, ring verify counters, and
 #     the checks of test_vllm_spec (a run whose checks fail exits 1, the step fails at the end)
 #   bash benchmarks/gpu_run.sh rollout         # examples/grpo_rollout.py twice (needs install): CUDA

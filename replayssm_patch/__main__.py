@@ -56,9 +56,9 @@ def doctor(argv: list[str]) -> int:
                       else env_opts.ring_len),
             ring_dtype=opts_mod.check_ring_dtype("--ring-dtype", args.ring_dtype or env_opts.ring_dtype),
             # the environment's switches count, as they would in an engine started from this shell
-            # (VLLM_GDN_REPLAYSSM_MTP_CUDA defaults to off: MTP on CUDA stays native unless =1)
+            # (VLLM_GDN_REPLAYSSM_MTP defaults to off: MTP stays native unless =1)
             allow_16bit_state=env_opts.allow_16bit_state,
-            allow_mtp_cuda=env_opts.allow_mtp_cuda,
+            allow_mtp=env_opts.allow_mtp,
             mtp_kernel=env_opts.mtp_kernel,
             min_batch=(opts_mod.check_min_batch("--min-batch", args.min_batch) if args.min_batch is not None
                        else env_opts.min_batch),

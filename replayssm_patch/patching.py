@@ -107,7 +107,7 @@ def report() -> dict:
         "vllm_version": _state["vllm_version"],
         "options": None if o is None else {"ring_len": o.ring_len, "strict": o.strict, "ring_dtype": o.ring_dtype,
                                           "allow_16bit_state": o.allow_16bit_state,
-                                          "allow_mtp_cuda": o.allow_mtp_cuda, "min_batch": o.min_batch,
+                                          "allow_mtp": o.allow_mtp, "min_batch": o.min_batch,
                                           "mtp_kernel": o.mtp_kernel},
         "reasons": list(_state["reasons"]),
         "warnings": list(_state["warnings"]),

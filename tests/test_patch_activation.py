@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
     ("VLLM_GDN_REPLAYSSM_STRICT", "2"),
     ("VLLM_GDN_REPLAYSSM_RING_DTYPE", "int8"),
     ("VLLM_GDN_REPLAYSSM_16BIT_STATE", "x"),
-    ("VLLM_GDN_REPLAYSSM_MTP_CUDA", "2"),
+    ("VLLM_GDN_REPLAYSSM_MTP", "2"),
     ("VLLM_GDN_REPLAYSSM_MTP_KERNEL", "cutlass"),
 ])
 def test_invalid_environment_values_name_the_variable(var, value):
@@ -36,23 +37,35 @@ def test_invalid_environment_values_name_the_variable(var, value):
     assert var in str(e.value) and "accepted values" in str(e.value)
 
 
+def test_the_old_mtp_variable_is_refused_with_its_new_name():
+    """VLLM_GDN_REPLAYSSM_MTP_CUDA (the opt-in's name while it covered CUDA only) is refused, not
+    ignored: ignoring it would silently change what an engine configured with it serves."""
+    for value in ("1", "0"):
+        with pytest.raises(options.OptionError) as e:
+            options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": value})
+        assert "VLLM_GDN_REPLAYSSM_MTP_CUDA was renamed VLLM_GDN_REPLAYSSM_MTP" in str(e.value)
+        assert f"VLLM_GDN_REPLAYSSM_MTP={value}" in str(e.value)
+    assert options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": " "}) == \
+        options.Options(enabled=True)  # blank: as unset
+
+
 def test_environment_defaults_and_values():
     assert options.from_env({}) == options.Options(enabled=False, ring_len=16, strict=False)
     o = options.from_env({"VLLM_GDN_REPLAYSSM": "on", "VLLM_GDN_REPLAYSSM_RING": "32",
                           "VLLM_GDN_REPLAYSSM_STRICT": "true", "VLLM_GDN_REPLAYSSM_RING_DTYPE": "float32"})
     assert o == options.Options(enabled=True, ring_len=32, strict=True, ring_dtype="float32")
     assert options.from_env(o.to_env()) == o
-    # MTP on CUDA is opt-in: off unless VLLM_GDN_REPLAYSSM_MTP_CUDA=1 / allow_mtp_cuda=True
-    assert not options.from_env({}).allow_mtp_cuda and not options.Options().allow_mtp_cuda
-    assert not options.from_env({"VLLM_GDN_REPLAYSSM_MTP_CUDA": "0"}).allow_mtp_cuda
-    assert options.Options().to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
-    opted_in = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": "1"})
-    assert opted_in == options.Options(enabled=True, allow_mtp_cuda=True)
-    assert opted_in.to_env()["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1" and options.from_env(opted_in.to_env()) == opted_in
+    # MTP is opt-in: off unless VLLM_GDN_REPLAYSSM_MTP=1 / allow_mtp=True
+    assert not options.from_env({}).allow_mtp and not options.Options().allow_mtp
+    assert not options.from_env({"VLLM_GDN_REPLAYSSM_MTP": "0"}).allow_mtp
+    assert options.Options().to_env()["VLLM_GDN_REPLAYSSM_MTP"] == "0"
+    opted_in = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP": "1"})
+    assert opted_in == options.Options(enabled=True, allow_mtp=True)
+    assert opted_in.to_env()["VLLM_GDN_REPLAYSSM_MTP"] == "1" and options.from_env(opted_in.to_env()) == opted_in
     # a blank variable (VAR= in a shell or a launcher's env file) means its default
     blank = {name: " " for name in options.Options().to_env()}
     assert options.from_env(blank) == options.Options()
-    assert not options.from_env({"VLLM_GDN_REPLAYSSM_MTP_CUDA": ""}).allow_mtp_cuda
+    assert not options.from_env({"VLLM_GDN_REPLAYSSM_MTP": ""}).allow_mtp
     # the verify kernel: ours unless FlashInfer's is asked for
     assert options.from_env({}).mtp_kernel == "triton"
     fi = options.from_env({"VLLM_GDN_REPLAYSSM_MTP_KERNEL": " FlashInfer "})
@@ -62,7 +75,7 @@ def test_environment_defaults_and_values():
 @pytest.mark.parametrize("kwargs,name", [
     ({"ring_len": 0}, "ring_len"), ({"ring_len": 100}, "ring_len"), ({"ring_len": 2.5}, "ring_len"),
     ({"enable": "yes"}, "enable"), ({"strict": 1}, "strict"), ({"ring_dtype": "fp8"}, "ring_dtype"),
-    ({"allow_16bit_state": "no"}, "allow_16bit_state"), ({"allow_mtp_cuda": 1}, "allow_mtp_cuda"),
+    ({"allow_16bit_state": "no"}, "allow_16bit_state"), ({"allow_mtp": 1}, "allow_mtp"),
     ({"mtp_kernel": "fi"}, "mtp_kernel"),
 ])
 def test_patch_rejects_bad_arguments_without_touching_anything(kwargs, name, monkeypatch):
@@ -154,33 +167,33 @@ def test_layer_already_replaced_by_someone_else(clean_patch_state):
     assert report["applied"] is False and "already replaced" in report["reasons"][0]
 
 
-def test_patch_allow_mtp_cuda_reaches_options_env_and_status(clean_patch_state, monkeypatch):
-    """patch() leaves MTP on CUDA off (the default); patch(allow_mtp_cuda=True) opts in, in the
-    option, the environment the worker processes read (VLLM_GDN_REPLAYSSM_MTP_CUDA) and
+def test_patch_allow_mtp_reaches_options_env_and_status(clean_patch_state, monkeypatch):
+    """patch() leaves MTP on CUDA off (the default); patch(allow_mtp=True) opts in, in the
+    option, the environment the worker processes read (VLLM_GDN_REPLAYSSM_MTP) and
     status(), and a later patch() turns it back off."""
     import replayssm_patch
 
-    for var in ("VLLM_GDN_REPLAYSSM", "VLLM_GDN_REPLAYSSM_MTP_CUDA"):
+    for var in ("VLLM_GDN_REPLAYSSM", "VLLM_GDN_REPLAYSSM_MTP"):
         monkeypatch.delenv(var, raising=False)
     report = replayssm_patch.patch()
     assert report["applied"], report
-    assert report["options"]["allow_mtp_cuda"] is False
-    assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
-    assert not options.from_env().allow_mtp_cuda  # what the plugin reads in vLLM's other processes
-    assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is False
-    report = replayssm_patch.patch(allow_mtp_cuda=True)
+    assert report["options"]["allow_mtp"] is False
+    assert os.environ["VLLM_GDN_REPLAYSSM_MTP"] == "0"
+    assert not options.from_env().allow_mtp  # what the plugin reads in vLLM's other processes
+    assert replayssm_patch.status()["options"]["allow_mtp"] is False
+    report = replayssm_patch.patch(allow_mtp=True)
     assert report["applied"], report
-    assert report["options"]["allow_mtp_cuda"] is True
-    assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "1"
-    assert options.from_env().allow_mtp_cuda
+    assert report["options"]["allow_mtp"] is True
+    assert os.environ["VLLM_GDN_REPLAYSSM_MTP"] == "1"
+    assert options.from_env().allow_mtp
     from replayssm_patch import decisions
 
-    assert decisions.state["options"].allow_mtp_cuda
-    assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is True
+    assert decisions.state["options"].allow_mtp
+    assert replayssm_patch.status()["options"]["allow_mtp"] is True
     replayssm_patch.patch()
-    assert os.environ["VLLM_GDN_REPLAYSSM_MTP_CUDA"] == "0"
-    assert not options.from_env().allow_mtp_cuda
-    assert replayssm_patch.status()["options"]["allow_mtp_cuda"] is False
+    assert os.environ["VLLM_GDN_REPLAYSSM_MTP"] == "0"
+    assert not options.from_env().allow_mtp
+    assert replayssm_patch.status()["options"]["allow_mtp"] is False
 
 
 def test_apply_and_revert_restore_vllm(clean_patch_state):
@@ -241,22 +254,26 @@ def test_plan_for_a_supported_config():
 
 
 def test_plan_for_speculative_decoding():
-    """MTP without prefix caching is served on CPU: one state slot per request (the layer's
-    spec), a ring long enough for about four verify windows; other methods are refused."""
+    """MTP on CPU stays native by choice unless opted in (allow_mtp); opted in, MTP without
+    prefix caching is served: one state slot per request (the layer's spec), a ring long enough
+    for about four verify windows; other methods are refused."""
     from vllm.platforms import current_platform
 
-    from replayssm_patch.ring_plan import plan_for
+    from replayssm_patch.ring_plan import MTP_CPU_OPT_IN_REASON, only_by_choice, plan_for
 
     if not current_platform.is_cpu():
-        pytest.skip("the CPU build serves MTP; CUDA refuses it in this release")
+        pytest.skip("runs on the CPU build")
+    mtp_in = dataclasses.replace(ON, allow_mtp=True)
     for T, L in ((1, 16), (3, 16), (7, 32)):
-        plan, reasons = plan_for(fake_config(**{"cache_config.mamba_cache_mode": "none",
-                                                "speculative_config": SimpleNamespace(num_speculative_tokens=T,
-                                                                                      method="mtp")}), ON)
+        cfg = fake_config(**{"cache_config.mamba_cache_mode": "none",
+                             "speculative_config": SimpleNamespace(num_speculative_tokens=T, method="mtp")})
+        plan, reasons = plan_for(cfg, ON)
+        assert plan is None and reasons == [MTP_CPU_OPT_IN_REASON] and only_by_choice(reasons)
+        plan, reasons = plan_for(cfg, mtp_in)
         assert reasons == [] and plan.ring_len == L and plan.spec_window == T + 1
     plan, reasons = plan_for(fake_config(**{"cache_config.mamba_cache_mode": "none",
                                             "speculative_config": SimpleNamespace(num_speculative_tokens=3,
-                                                                                  method="ngram")}), ON)
+                                                                                  method="ngram")}), mtp_in)
     assert plan is None and any("speculative method 'ngram'" in r for r in reasons)
 
 
@@ -328,10 +345,10 @@ def test_cuda_16bit_state_opt_in_and_fp32_plain_decode_native_by_default(monkeyp
 
 def test_cpu_plain_decode_is_native_by_default_and_served_on_request():
     """On CPU the ring's step is vLLM's CPU kernel plus the replay: plain decode stays native
-    (no ring memory) unless min_batch is given; speculative decoding goes through the ring."""
+    (no ring memory) unless min_batch is given; so does speculative decoding unless allow_mtp is set."""
     from vllm.platforms import current_platform
 
-    from replayssm_patch.ring_plan import CPU_PLAIN_DECODE_REASON, only_by_choice, plan_for
+    from replayssm_patch.ring_plan import CPU_PLAIN_DECODE_REASON, MTP_CPU_OPT_IN_REASON, only_by_choice, plan_for
 
     if not current_platform.is_cpu():
         pytest.skip("the CPU default")
@@ -340,6 +357,8 @@ def test_cpu_plain_decode_is_native_by_default_and_served_on_request():
     served, _ = plan_for(fake_config(), options.Options(enabled=True, min_batch=4))
     assert served.min_batch == 4
     mtp, why = plan_for(_mtp_config(3), options.Options(enabled=True))
+    assert mtp is None and why == [MTP_CPU_OPT_IN_REASON] and only_by_choice(why)
+    mtp, why = plan_for(_mtp_config(3), options.Options(enabled=True, allow_mtp=True))
     assert mtp is not None and mtp.spec_tokens == 3, why
 
 
@@ -361,28 +380,30 @@ def _mtp_config(T=3, **over):
 
 def test_spec_reasons_cuda_native_by_default_unless_opted_in(monkeypatch):
     """On CUDA (vLLM >= 0.32) MTP stays native by default with one reason that says so and how to
-    opt in; VLLM_GDN_REPLAYSSM_MTP_CUDA=1 (allow_mtp_cuda=True) lets it through; prefix caching,
+    opt in; VLLM_GDN_REPLAYSSM_MTP=1 (allow_mtp=True) lets it through; prefix caching,
     other speculative methods and windows longer than the ring stay refused either way."""
     from replayssm_patch import versions
-    from replayssm_patch.ring_plan import MTP_CUDA_OPT_IN_REASON, _spec_reasons
+    from replayssm_patch.ring_plan import MTP_CPU_OPT_IN_REASON, MTP_CUDA_OPT_IN_REASON, _spec_reasons
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
-    for off in (_spec_reasons(_mtp_config(), 3, "cuda"), _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=False)):
+    for off in (_spec_reasons(_mtp_config(), 3, "cuda"), _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp=False)):
         assert off == [MTP_CUDA_OPT_IN_REASON]
     reason = MTP_CUDA_OPT_IN_REASON
     assert "speculative decoding on CUDA stays native by default" in reason
-    assert "VLLM_GDN_REPLAYSSM_MTP_CUDA=1" in reason and "allow_mtp_cuda=True" in reason
+    assert "VLLM_GDN_REPLAYSSM_MTP=1" in reason and "allow_mtp=True" in reason
     assert "slower end to end" in reason and "GDN cache memory" in reason
-    assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True) == []
-    assert _spec_reasons(_mtp_config(), 3, "cpu") == []  # CUDA-only switch: CPU serves MTP either way
-    assert _spec_reasons(_mtp_config(), 3, "cpu", allow_mtp_cuda=True) == []
+    assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp=True) == []
+    # the same switch on CPU, with the CPU measurement as its reason
+    assert _spec_reasons(_mtp_config(), 3, "cpu") == [MTP_CPU_OPT_IN_REASON]
+    assert _spec_reasons(_mtp_config(), 3, "cpu", allow_mtp=True) == []
+    assert _spec_reasons(_mtp_config(), 3, "cpu", allow_mtp=True) == []
     for allow in (True, False):
-        align = _spec_reasons(_mtp_config(**{"cache_config.mamba_cache_mode": "align"}), 3, "cuda", allow_mtp_cuda=allow)
+        align = _spec_reasons(_mtp_config(**{"cache_config.mamba_cache_mode": "align"}), 3, "cuda", allow_mtp=allow)
         assert any("prefix caching" in r for r in align) and len(align) == 1 + (not allow)
         ngram_config = _mtp_config(speculative_config=SimpleNamespace(num_speculative_tokens=3, method="ngram"))
-        ngram = _spec_reasons(ngram_config, 3, "cuda", allow_mtp_cuda=allow)
+        ngram = _spec_reasons(ngram_config, 3, "cuda", allow_mtp=allow)
         assert any("speculative method 'ngram'" in r for r in ngram) and len(ngram) == 1 + (not allow)
-        too_long = _spec_reasons(_mtp_config(), 255, "cuda", allow_mtp_cuda=allow)
+        too_long = _spec_reasons(_mtp_config(), 255, "cuda", allow_mtp=allow)
         assert any("a verify window must fit the ring" in r for r in too_long) and len(too_long) == 1 + (not allow)
 
 
@@ -403,12 +424,12 @@ def test_mtp_cuda_refused_before_vllm_032(monkeypatch):
     from replayssm_patch.ring_plan import MTP_CUDA_OPT_IN_REASON, _spec_reasons
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.31.0")
-    reasons = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True)
+    reasons = _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp=True)
     assert len(reasons) == 1 and "vLLM < 0.32" in reasons[0] and "persistent commit buffers" in reasons[0]
     assert _spec_reasons(_mtp_config(), 3, "cuda") == [MTP_CUDA_OPT_IN_REASON]  # the default
     for version in ("0.32.0", "0.33.0"):
         monkeypatch.setattr(versions, "installed_vllm_version", lambda v=version: v)
-        assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp_cuda=True) == []
+        assert _spec_reasons(_mtp_config(), 3, "cuda", allow_mtp=True) == []
         assert _spec_reasons(_mtp_config(), 3, "cuda") == [MTP_CUDA_OPT_IN_REASON]
 
 
@@ -437,7 +458,7 @@ def _own_records(caplog, patching):
 
 def test_cuda_mtp_native_by_default_served_when_opted_in(fake_cuda_mtp, monkeypatch, caplog):
     """plan_for on (faked) CUDA, options read from the environment as vLLM's processes read
-    them: with VLLM_GDN_REPLAYSSM_MTP_CUDA unset (or blank, or 0) MTP stays native with the
+    them: with VLLM_GDN_REPLAYSSM_MTP unset (or blank, or 0) MTP stays native with the
     opt-in reason, logged once at INFO and no warning; =1 serves it (ring sized for the window)
     with one INFO line saying it was opted in."""
     import logging
@@ -446,11 +467,11 @@ def test_cuda_mtp_native_by_default_served_when_opted_in(fake_cuda_mtp, monkeypa
 
     patching = fake_cuda_mtp
     default = options.from_env({"VLLM_GDN_REPLAYSSM": "1"})
-    for env in ({}, {"VLLM_GDN_REPLAYSSM_MTP_CUDA": ""}, {"VLLM_GDN_REPLAYSSM_MTP_CUDA": "0"}):
+    for env in ({}, {"VLLM_GDN_REPLAYSSM_MTP": ""}, {"VLLM_GDN_REPLAYSSM_MTP": "0"}):
         o = options.from_env({"VLLM_GDN_REPLAYSSM": "1", **env})
         plan, reasons = plan_for(_mtp_config(7), o)
         assert plan is None and reasons == [MTP_CUDA_OPT_IN_REASON], env
-    opted_in = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP_CUDA": "1"})
+    opted_in = options.from_env({"VLLM_GDN_REPLAYSSM": "1", "VLLM_GDN_REPLAYSSM_MTP": "1"})
     plan, reasons = plan_for(_mtp_config(7), opted_in)
     assert reasons == [] and plan.spec_window == 8 and plan.ring_len == 32
     assert plan_for(_mtp_config(7, **{"cache_config.mamba_cache_mode": "align"}), opted_in)[0] is None
@@ -467,7 +488,7 @@ def test_cuda_mtp_native_by_default_served_when_opted_in(fake_cuda_mtp, monkeypa
               in r.getMessage()]
     assert len(served) == 1 and served[0].levelno == logging.INFO
     assert "one state slot per request" in served[0].getMessage()
-    assert "(opted in with VLLM_GDN_REPLAYSSM_MTP_CUDA=1)" in served[0].getMessage()
+    assert "(opted in with VLLM_GDN_REPLAYSSM_MTP=1)" in served[0].getMessage()
     assert not any(r.levelno >= logging.WARNING for r in _own_records(caplog, patching))
 
     caplog.clear()
@@ -503,7 +524,7 @@ def test_strict_mode_and_mtp_cuda_default(fake_cuda_mtp, monkeypatch, caplog):
         patching.current_plan(_mtp_config(3, **{"cache_config.mamba_cache_mode": "align"}))
     assert "prefix caching" in str(e.value) and MTP_CUDA_OPT_IN_REASON in str(e.value)
     # ... and so does a limitation of its own, opted in (LoRA)
-    strict_in = options.Options(enabled=True, strict=True, allow_mtp_cuda=True)
+    strict_in = options.Options(enabled=True, strict=True, allow_mtp=True)
     monkeypatch.setitem(patching.state, "options", strict_in)
     with pytest.raises(patching.PatchRefused) as e:
         patching.current_plan(_mtp_config(3, lora_config=object()))
@@ -529,7 +550,7 @@ def test_cuda_mtp_flashinfer_verify_kernel_refused_with_reason_or_served(fake_cu
 
     patching = fake_cuda_mtp
     bf16 = {"cache_config.mamba_ssm_cache_dtype": "bfloat16"}
-    fi = options.Options(enabled=True, allow_mtp_cuda=True, allow_16bit_state=True, mtp_kernel="flashinfer")
+    fi = options.Options(enabled=True, allow_mtp=True, allow_16bit_state=True, mtp_kernel="flashinfer")
     cases = [(_mtp_config(5, **bf16), "serves verify windows of 4 or 8 tokens"),  # T=5: a window of 6
              (_mtp_config(3), "needs a bfloat16 SSM state"),  # fp32 state
              (_mtp_config(3, **bf16), "needs a CUDA GPU of compute capability 9.0")]  # this machine
@@ -538,7 +559,7 @@ def test_cuda_mtp_flashinfer_verify_kernel_refused_with_reason_or_served(fake_cu
         assert plan is None and len(reasons) == 1, reasons
         assert reasons[0].startswith("mtp_kernel='flashinfer' (VLLM_GDN_REPLAYSSM_MTP_KERNEL)") and why in reasons[0]
     # ours stays the verify kernel without the option, whatever FlashInfer can do
-    plan, _ = plan_for(_mtp_config(3, **bf16), options.Options(enabled=True, allow_mtp_cuda=True,
+    plan, _ = plan_for(_mtp_config(3, **bf16), options.Options(enabled=True, allow_mtp=True,
                                                                allow_16bit_state=True))
     assert plan.verify_kernel == "triton" and plan.ring_len == 16
 

@@ -32,8 +32,9 @@ def _rel(x, ref):
 
 
 def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_state, launch=None,
-              out4=False, check_decode_after=False):
-    """`steps` speculative steps (window up to W = T + 1 tokens) on the kernel and the reference."""
+              out4=False, check_decode_after=False, verify=None):
+    """`steps` speculative steps (window up to W = T + 1 tokens) on the kernel and the reference.
+    `verify`: the implementation under test, called as `ring_verify` is (default: the Triton kernel)."""
     import torch
 
     from replayssm_patch._vendored import (
@@ -98,8 +99,8 @@ def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_sta
         c_before = ref["cursor"].clone()
         p_before = ref["pending"].clone()
         with override_launch(verify=launch):  # None: the default launch
-            ring_verify(qkv, a, b, A_log, dt_bias, K ** -0.5, mine["state"], o_mine, idx, cu,
-                        mine["d"], mine["k"], mine["g"], mine["word"], acc, W)
+            (verify or ring_verify)(qkv, a, b, A_log, dt_bias, K ** -0.5, mine["state"], o_mine, idx, cu,
+                                    mine["d"], mine["k"], mine["g"], mine["word"], acc, W)
         ring_spec_verify_reference(qkv, a, b, A_log, dt_bias, K ** -0.5, ref["state"], o_ref, idx, cu,
                                    ref["d"], ref["k"], ref["g"], ref["cursor"], ref["pending"], acc)
         for i in valid:

@@ -73,7 +73,7 @@ def test_mtp_through_the_ring_matches_native(mtp_model, tmp_path):
             "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}),
          "prompts": prompts[:2], "max_tokens": [32, 32]},
     ]
-    spec = {"model": mtp_model, "ring_len": 16, "engines": engines}
+    spec = {"model": mtp_model, "ring_len": 16, "allow_mtp": True, "engines": engines}
     native, _ = run_arm(tmp_path, "native", dict(spec, patched=False))
     patched, log = run_arm(tmp_path, "patched", dict(spec, patched=True, strict=False))
 

@@ -4,6 +4,7 @@ Used by the tests and the demo to compare native and patched engines, each arm i
 process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
 
     {"model": path, "patched": bool, "ring_len": int, "min_batch": int | "auto" (default 1),
+     "allow_mtp": bool (default False),
      "via": "patch" | "env",
      "engines": [{"name": str, "engine": {LLM kwargs}, "scenario": "batch" | "staggered",
                   "prompts": [[token ids] | {"ids": [...], "image_seed": int}...],
@@ -187,7 +188,8 @@ def main(spec_path: str) -> None:
         # min_batch 1 unless the spec says otherwise: "auto" keeps plain decode native (CPU; CUDA, fp32 state)
         report = replayssm_patch.patch(ring_len=spec.get("ring_len", 16), strict=spec.get("strict", True),
                                        ring_dtype=spec.get("ring_dtype", "auto"),
-                                       min_batch=spec.get("min_batch", 1))
+                                       min_batch=spec.get("min_batch", 1),
+                                       allow_mtp=spec.get("allow_mtp", False))
         assert report["applied"], report
     from vllm import LLM, SamplingParams
 
