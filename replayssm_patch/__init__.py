@@ -28,8 +28,9 @@ def patch(enable: bool = True, ring_len: int = _options.DEFAULT_RING_LEN, strict
     ring_len: replay entries per cache slot, 1..64; the checkpoint is written once every
         `ring_len` decode steps (default 16).
     strict: raise instead of falling back to vLLM's native decode with a logged reason. A
-        config that stays native only because an opt-in is off (MTP without `allow_mtp`, plain decode under `min_batch="auto"` where the table says never) is
-        the default, not a fallback: logged at INFO, never raised.
+        config that stays native only because an opt-in is off (MTP without `allow_mtp`, plain
+        decode under `min_batch="auto"` where the table says never) is the default, not a
+        fallback: logged at INFO, never raised.
     ring_dtype: dtype of the ring's d/k entries: "auto" (fp32 for an fp32 SSM state, else the
         activation dtype), "activation" (always the activation dtype: half the ring bytes) or
         "float32".

@@ -3,7 +3,7 @@ it must do exactly what vLLM's `_forward_core` does for such a step with our wra
 
 Both paths run here on the CPU (replayssm_patch.testing.spec_step) with the same conv (a
 stand-in for vLLM's `causal_conv1d_update` that records its arguments) and the same verify
-(`kernels.spec_verify`, whose CPU form is the torch reference): the wrapper path as vLLM 0.32 / 0.33 drive it (conv, the q/k/v split into
+(`kernels.spec_verify`, on CPU `cpu_ring.ring_verify`): the wrapper path as vLLM 0.32 / 0.33 drive it (conv, the q/k/v split into
 separate buffers, `fused_sigmoid_gating_delta_rule_update` with our wrapper active, the copy into
 `core_attn_out`), and `verify_step`. Fresh random inputs: rings with committed entries and
 pending windows, accepted counts 1..W, padded tokens beyond the step's, both conv-state layouts.
