@@ -58,20 +58,28 @@ def common_prefix(a: list, b: list) -> int:
     return n
 
 
+def make_engine(model: str, mtp: int, requests: int):
+    """The benchmark's engine and prompts (also what near-tie checks of its runs rebuild)."""
+    from vllm import LLM
+
+    spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": mtp},
+                enable_prefix_caching=False) if mtp else {}
+    llm = LLM(model, load_format="safetensors", dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+              skip_tokenizer_init=True, max_num_seqs=max(8, requests), seed=0, disable_log_stats=False, **spec)
+    prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 997 + 3 for j in range(24 + 9 * (i % 8))]}
+               for i in range(requests)]
+    return llm, prompts
+
+
 def arm(args) -> None:
     if args.arm == "ring":
         import replayssm_patch
 
         opts = dict(allow_mtp=True) if args.mtp else dict(min_batch=1)
         assert replayssm_patch.patch(strict=True, **opts)["applied"]
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp},
-                enable_prefix_caching=False) if args.mtp else {}
-    llm = LLM(args.model, load_format="safetensors", dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-              skip_tokenizer_init=True, max_num_seqs=max(8, args.requests), seed=0, disable_log_stats=False, **spec)
-    prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 997 + 3 for j in range(24 + 9 * (i % 8))]}
-               for i in range(args.requests)]
+    llm, prompts = make_engine(args.model, args.mtp, args.requests)
 
     def timed(n):
         t = time.perf_counter()

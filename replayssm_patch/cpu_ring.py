@@ -106,13 +106,14 @@ def _append(params, ring, rows, slots, pos, S_prev, G_n, H, HV, K, V):
 
 def ring_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens,
                 ring_d, ring_k, ring_g, cursor, num_accepted, max_tokens, use_qk_l2norm=True,
-                l2norm_eps=L2NORM_EPS):
+                l2norm_eps=L2NORM_EPS, counts=None):
     """One speculative step on CPU, with the call and semantics of the CUDA `ring_verify`
     (`ring_reference.ring_spec_verify_reference`): commit each slot's previous window by
     `num_accepted`, flush the rings a new window does not fit, then each row's outputs and its
     window's entries, pending in the packed `cursor` word. `l2norm_eps`: how the replaced
-    kernel normalises q / k (vLLM's CPU MTP kernel: numerics.CPU_SPEC_NUMERICS). Returns `out`
-    viewed [tokens, HV, V].
+    kernel normalises q / k (vLLM's CPU MTP kernel: numerics.CPU_SPEC_NUMERICS). `counts` (a
+    Counter, or None): gets the step's committed entries, pending windows and flushes. Returns
+    `out` viewed [tokens, HV, V].
 
     With S_n the state before the window and Gamma_t the cumulative log-decay after window token
     t (Gamma_{-1} = G_n), the state before token t applied to x is
@@ -130,7 +131,12 @@ def ring_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
     rows = state_indices.shape[0]
     out3 = out.view(mixed_qkv.shape[0], HV, V)
     n, pending = unpack_cursor(cursor)
+    before, windows = n.clone(), pending > 0
     ring_commit_pending_reference(n, pending, state_indices, num_accepted, L)
+    if counts is not None:
+        valid = state_indices[state_indices > 0].long()
+        counts["verify_committed"] += int((n - before)[valid].sum())
+        counts["verify_windows"] += int(windows[valid].sum())
     cu = cu_seqlens[: rows + 1].tolist()
     groups: dict[int, list[int]] = {}  # window width -> rows with a slot
     for i, slot in enumerate(state_indices.tolist()):
@@ -146,6 +152,8 @@ def ring_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
         slots = state_indices[busy].long()
         widths = torch.tensor([cu[i + 1] - cu[i] for i in busy])
         full = slots[n[slots].long() + widths > L]
+        if counts is not None:
+            counts["verify_flushes"] += full.numel()
         if full.numel():  # these windows do not fit behind the committed entries: flush them first
             ring_materialize_reference(state, ring_d, ring_k, ring_g, n, full)
     for width, group in groups.items():

@@ -49,3 +49,27 @@ def test_cpu_verify_refuses_a_window_longer_than_max_tokens():
             torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32),
             torch.zeros(slots, HV, L, V), torch.zeros(slots, H, L, K), torch.zeros(slots, HV, L),
             torch.zeros(slots, dtype=torch.int32), None, 3)
+
+
+def test_cpu_verify_counts_commits_windows_and_flushes():
+    """`counts` gets what the step did: slot 1 commits 2 of its 3 pending entries (6 + 2 + a
+    3-token window > L = 8: flushed first); slot 2 commits its 1 pending entry of 1 (1 + 1 + 3
+    fits); slot 3 has no window; the NULL row counts nothing."""
+    from collections import Counter
+
+    from replayssm_patch._vendored.ring_reference import pack_cursor
+
+    H, HV, K, V, L, slots = 1, 2, 16, 16, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.tensor([1, 2, 3, 0], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 6, 9, 12], dtype=torch.int32)
+    word = pack_cursor(torch.tensor([0, 6, 1, 2]), torch.tensor([0, 3, 1, 0]))
+    counts = Counter()
+    cpu_ring.ring_verify(
+        torch.randn(12, 2 * H * K + HV * V, generator=gen), torch.randn(12, HV, generator=gen),
+        torch.randn(12, HV, generator=gen), torch.zeros(HV), torch.zeros(HV), 0.25,
+        torch.randn(slots, HV, V, K, generator=gen), torch.zeros(12, HV, V), idx, cu,
+        torch.randn(slots, HV, L, V, generator=gen), torch.randn(slots, H, L, K, generator=gen),
+        torch.cumsum(-torch.rand(slots, HV, L, generator=gen), -1), word,
+        torch.tensor([2, 5, 1, 1], dtype=torch.int32), 3, counts=counts)
+    assert counts == Counter(verify_committed=3, verify_windows=2, verify_flushes=1)

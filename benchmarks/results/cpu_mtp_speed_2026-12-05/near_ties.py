@@ -14,22 +14,17 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from cpu_decode_speed import build_model, common_prefix  # noqa: E402
+from cpu_decode_speed import build_model, common_prefix, make_engine  # noqa: E402
 
 
 def main(path: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     res = json.load(open(path))
     runs = res["runs"]
     nat = next(r for r in runs if r["arm"] == "native")
     ring = next(r for r in runs if r["arm"] == "ring")
-    llm = LLM(build_model(res["shape"], res["mtp"]), load_format="safetensors", dtype="bfloat16", enforce_eager=True,
-              max_model_len=1024, skip_tokenizer_init=True, max_num_seqs=max(8, res["requests"]), seed=0,
-              enable_prefix_caching=False,
-              speculative_config={"method": "mtp", "num_speculative_tokens": res["mtp"]})
-    prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 997 + 3 for j in range(24 + 9 * (i % 8))]}
-               for i in range(res["requests"])]
+    llm, prompts = make_engine(build_model(res["shape"], res["mtp"]), res["mtp"], res["requests"])
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=res["tokens"], ignore_eos=True,
                                                 detokenize=False, logprobs=2), use_tqdm=False)
     all_gaps, at_split = [], []
