@@ -29,8 +29,9 @@
 #
 #   bash benchmarks/gpu_run.sh e2ehost [ARGS]  # (needs install) the harness checked against itself, then the
 #     ring: e2e_decode.py --control (two native engines, A/A) and then native/patched, fp32 state, vLLM's
-#     default config, batches $BATCHES (default 64,256; an H100 holds 64,128 at --gpu-util 0.46), 3 pairs
-#     each, host probes, no profiler (ARGS go to both runs), to $OUT/e2e_control.json, $OUT/e2e_fp32.json
+#     default config, batches $BATCHES (default 64,256; an H100 holds 64,128 at --gpu-util 0.46), $PAIRS pairs
+#     each (default 3; 3 pairs resolved ±12% on an H100, benchmarks/results/e2e_control_h100_2026-12-05),
+#     host probes, no profiler (ARGS go to both runs), to $OUT/e2e_control.json, $OUT/e2e_fp32.json
 #     + their engines' logs (gzipped)
 #
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
@@ -135,11 +136,11 @@ case "${1:?step}" in
       --kernel-json "$kj" "$@" 2>&1 | tail -30 || rc=1
     exit $rc ;;
   e2ehost)  # the A/A control, then native/patched (see the header)
-    shift; rc=0; bs=${BATCHES:-64,256}
+    shift; rc=0; bs=${BATCHES:-64,256}; np=${PAIRS:-3}
     for run in control fp32; do
       case $run in control) extra=(--control) ;; *) extra=(--kernel-json benchmarks/results/kernel_decode_fp32ring.json) ;; esac
       # one workdir: the same model path, so the second run's engines start from the compile cache
-      python3 benchmarks/e2e_decode.py "${extra[@]}" --batches "$bs" --pairs 3 --out "$OUT/e2e_$run.json" \
+      python3 benchmarks/e2e_decode.py "${extra[@]}" --batches "$bs" --pairs "$np" --out "$OUT/e2e_$run.json" \
         --workdir /tmp/e2e_host "$@" 2>&1 | tail -12 || rc=1
       gzip -c /tmp/e2e_host/engines.log > "$OUT/engines_$run.log.gz" 2>/dev/null || true
     done
