@@ -30,7 +30,7 @@
 #   bash benchmarks/gpu_run.sh e2ehost [ARGS]  # (needs install) the harness checked against itself, then the
 #     ring: e2e_decode.py --control (two native engines, A/A) and then native/patched, fp32 state, vLLM's
 #     default config, batches $BATCHES (default 64,256; an H100 holds 64,128 at --gpu-util 0.46), $PAIRS pairs
-#     each (default 3; 3 pairs resolved ±12% on an H100, benchmarks/results/e2e_control_h100_2026-12-05),
+#     each (default 3; an A/A control's 3 pairs spread 0.88-1.04 on an H100, benchmarks/results/e2e_control_h100_2026-12-05),
 #     host probes, no profiler (ARGS go to both runs), to $OUT/e2e_control.json, $OUT/e2e_fp32.json
 #     + their engines' logs (gzipped)
 #
