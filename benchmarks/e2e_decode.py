@@ -136,7 +136,8 @@ def engine_kwargs(args, batches) -> dict:
 
 def engines(args) -> None:
     """Both arms in this process (see the module docstring); writes the result so far to
-    `args.pairs_out` after each batch size, so a cut-off session keeps its finished pairs."""
+    `args.pairs_out` after each pair, so a cut-off session keeps its finished pairs (machines
+    have been taken back in the middle of a batch size)."""
     os.environ.pop("VLLM_GDN_REPLAYSSM", None)  # the native engine's processes start unpatched
     from vllm import LLM
 
@@ -174,13 +175,15 @@ def engines(args) -> None:
         prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 150000 + 3 for j in range(args.in_len)]} for i in range(b)]
         for name in names:  # warm this batch size (prefix cache: later prompts hit it equally in both arms)
             generate_s(llms[name], prompts, 4)
-        pairs = res["pairs"][str(b)] = []
+        pairs = []  # in the results from its first pair on: a partial never lists a batch without one
         for p in range(args.pairs):
             order = names if p % 2 == 0 else names[::-1]
             pair = {"order": "AB" if order == names else "BA"}
             for name in order:
                 pair[name] = dict(measure(llms[name], prompts, args.out_len), host_probe_ms=host_probe_ms(llms[name]))
             pairs.append(pair)
+            res["pairs"][str(b)] = pairs
+            json.dump(res, open(args.pairs_out, "w"), indent=1)
             print(f"batch {b} pair {p} ({pair['order']}): step " + ", ".join(
                 f"{name} {pair[name]['step_ms']:.3f} ms (host probe {pair[name]['host_probe_ms']:.2f} ms)"
                 for name in names), flush=True)
