@@ -191,7 +191,7 @@ def engines(args) -> None:
             for name in names:
                 res["engines"][name]["profiles"][str(b)] = profile_steps(llms[name], prompts,
                                                                          os.path.join(args.profile_dir, name))
-        json.dump(res, open(args.pairs_out, "w"), indent=1)
+            json.dump(res, open(args.pairs_out, "w"), indent=1)
     if args.mtp:  # vLLM's speculative-decoding counters over the whole run (all batch sizes)
         from replayssm_patch.testing.engine_runner import spec_decode_metrics
 
