@@ -75,7 +75,7 @@ def arm(args) -> None:
     if args.arm == "ring":
         import replayssm_patch
 
-        opts = dict(allow_mtp=True) if args.mtp else dict(min_batch=1)
+        opts = dict(allow_mtp=True) if args.mtp else dict(min_batch=args.min_batch)
         assert replayssm_patch.patch(strict=True, **opts)["applied"]
     from vllm import SamplingParams
 
@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=0, metavar="T", help="MTP with T draft tokens (0: plain decode)")
     ap.add_argument("--shape", choices=["tiny", "0.8b"], default="tiny")
     ap.add_argument("--order", default="ABBAAB", help="A = native, B = ring; consecutive runs pair up")
+    ap.add_argument("--min-batch", type=int, default=1,
+                    help="the ring arm's min_batch (plain decode): 1 serves every decode through the ring; "
+                         "above --requests the ring is installed but every decode step is dispatched native")
     ap.add_argument("--out")
     ap.add_argument("--arm", choices=["native", "ring"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -121,7 +124,8 @@ def main() -> None:
     for a in args.order:
         name = "native" if a == "A" else "ring"
         p = subprocess.run([sys.executable, __file__, "--arm", name, "--model", model, "--requests",
-                            str(args.requests), "--tokens", str(args.tokens), "--mtp", str(args.mtp)],
+                            str(args.requests), "--tokens", str(args.tokens), "--mtp", str(args.mtp),
+                            "--min-batch", str(args.min_batch)],
                            env=env, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"{name} failed:\n{(p.stdout + p.stderr)[-4000:]}")
@@ -147,7 +151,8 @@ def main() -> None:
         json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "command": " ".join(sys.argv), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                    "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-                   "shape": args.shape, "mtp": args.mtp, "requests": args.requests, "tokens": args.tokens,
+                   "shape": args.shape, "mtp": args.mtp, "min_batch": args.min_batch,
+                   "requests": args.requests, "tokens": args.tokens,
                    "runs": runs, "pair_ratios": ratios, "summary": summary}, open(args.out, "w"), indent=1)
 
 

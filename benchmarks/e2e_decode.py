@@ -59,7 +59,11 @@ fp32 state (replayssm_patch/dispatch.py, from this benchmark's results).
 
 The Amdahl bound per batch size is computed from the native step time and, when given
 (`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
-dtype: bound = step / (step - layers * (t_native_kernel - t_ring_kernel)).
+dtype: bound = step / (step - layers * (t_native_kernel - t_ring_kernel)). It assumes every
+microsecond of GPU time saved comes off the wall step, i.e. that the GPU is what the step waits
+on. A profiled batch also gives `native_gpu_busy_of_step`, the native engine's GPU-busy time per
+step over its unprofiled wall step: below 1 the step waits on the host, and only GPU time saved
+past that wait can show in the wall time.
 """
 
 from __future__ import annotations
@@ -557,6 +561,9 @@ def finish(args, res):
         if "span_ms" in n and "span_ms" in p:  # GPU idle inside the step: span - busy
             row["idle_excess_of_native_step"] = ((p["span_ms"] - p["gpu_busy_ms"]) - (n["span_ms"] - n["gpu_busy_ms"])) \
                 / n["span_ms"]
+        if "gpu_busy_ms" in n:  # below 1 the unprofiled step outlasts the GPU's work: it waits on the host,
+            # and GPU time saved comes off the wall step only past that wait (the bound below assumes all of it)
+            row["native_gpu_busy_of_step"] = n["gpu_busy_ms"] / row["native_step_ms"]
         if b in kt and not args.control:
             kn, ko = kt[b]
             step_n = row["native_step_ms"]
@@ -581,6 +588,8 @@ def finish(args, res):
             summary[f"bound_fraction_{tag}b{b}"] = round(row["fraction_of_bound"], 4)
         if "idle_excess_of_native_step" in row:
             summary[f"idle_excess_{tag}b{b}"] = round(row["idle_excess_of_native_step"], 4)
+        if "native_gpu_busy_of_step" in row:
+            summary[f"native_gpu_busy_of_step_{tag}b{b}"] = round(row["native_gpu_busy_of_step"], 4)
         if "host_probe_ratios" in row:
             summary[f"host_probe_ratio_{tag}b{b}"] = round(statistics.median(row["host_probe_ratios"]), 4)
     config = model_config(args)

@@ -127,6 +127,8 @@ def test_e2e_summary_is_the_median_of_pair_ratios_with_min_max_and_idle(tmp_path
     assert row["pair_orders"] == "ABA" and row["native_step_ms"] == 20.0 and row["patched_step_ms"] == 19.0
     assert abs(row["idle_excess_of_native_step"] - ((21 - 14) - (20 - 15)) / 20) < 1e-12
     assert "idle_excess_of_native_step" not in out["table"][1]  # batch 1 was not profiled
+    assert row["native_gpu_busy_of_step"] == pytest.approx(15 / 20)  # busy per step / unprofiled wall step
+    assert out["summary"]["native_gpu_busy_of_step_b64"] == 0.75
     s = out["summary"]
     assert s["config"] == "default" and s["pairs"] == 3 and s["speedup_b1"] == 1.0
     assert s["kv_cache_tokens_patched_over_native"] == 0.85

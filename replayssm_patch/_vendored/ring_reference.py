@@ -151,10 +151,10 @@ def ring_materialize_reference(state, ring_d, ring_k, ring_g, cursor, slots, sta
     n = cursor[slots].long()
     if empty is not None:
         n = torch.where(empty, torch.zeros_like(n), n)
-    S, _ = replayed_state(state, ring_d, ring_k, ring_g, slots, n, compute_dtype_for(state))
     busy = (n > 0).nonzero().flatten()  # an empty ring leaves the checkpoint bit-identical
     if busy.numel():
-        _flush_rows(state, slots[busy], S[busy])
+        S, _ = replayed_state(state, ring_d, ring_k, ring_g, slots[busy], n[busy], compute_dtype_for(state))
+        _flush_rows(state, slots[busy], S)
     cursor[slots] = 0
 
 
