@@ -73,6 +73,7 @@
 #     need the rest) to $OUT/ccacheN.tgz.NN (15 MiB parts); keep them as .work/ccache/ and, next
 #     session, carry that folder and run
 #   bash benchmarks/gpu_run.sh cacheunpack # so the engines start warm (~1 min instead of ~3.5 with compile)
+#     (only for the same engine config: a different largest batch, i.e. max_num_seqs, compiles again)
 #   bash benchmarks/gpu_run.sh mtpprof   # (needs install) MTP T=3 batch 256, AB, with
 #     --profile-batches 256: GPU time per kernel of 8 decode steps per arm, to $OUT/mtp3_profile.json
 set -euo pipefail
