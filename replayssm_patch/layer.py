@@ -51,6 +51,23 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
                     setattr(self, flag, False)
 
     # -- cache spec and page binding ------------------------------------------------------
+    # vLLM binds the layer's cache by assigning `kv_cache` (MambaBase.bind_kv_cache) and
+    # releases it the same way (clear_layer_kv_caches, after the minimal cache its CUDA-graph
+    # memory profile binds; again on shutdown). The ring's views point into those pages, so
+    # they go with every assignment: kept, they held the released profiling cache alive,
+    # memory vLLM had not accounted for (max_num_seqs pages of every GDN layer).
+    @property
+    def kv_cache(self):
+        try:
+            return self.__dict__["_bound_kv_cache"]
+        except KeyError:  # not bound yet: as vLLM's class, which only annotates the attribute
+            raise AttributeError("kv_cache") from None
+
+    @kv_cache.setter
+    def kv_cache(self, value) -> None:
+        self.__dict__["_bound_kv_cache"] = value
+        self.__dict__["replay_ring"] = None
+
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
         if self.ring_plan is None or spec is None:
@@ -75,12 +92,20 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
             views.append(pages[:, offset:offset + nbytes].view(dtype).view(-1, *shape))
             offset += nbytes
         g, d, k = views
-        cursor = torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device)
-        self.replay_ring = RingBuffers(g=g, d=d, k=k, cursor=cursor)
+        self.replay_ring = RingBuffers(g=g, d=d, k=k, cursor=self._cursor_for(pages))
         if pages.is_cuda:
             kernels.compile_ahead(self.ring_state(), self.replay_ring, bool(self.ring_plan.spec_tokens))
         if shadow.poison_enabled():  # testing aid: garbage in every ring nobody started yet
             shadow.poison_rings(self.replay_ring)
+
+    def _cursor_for(self, pages: torch.Tensor) -> torch.Tensor:
+        """The slots' cursor words. A rebind that still fits keeps the tensor, whose address
+        CUDA graphs captured before it hold; a larger or moved cache gets a new, empty one."""
+        cursor = self.__dict__.get("_ring_cursor")
+        if cursor is None or cursor.device != pages.device or cursor.numel() < pages.shape[0]:
+            cursor = torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device)
+            self.__dict__["_ring_cursor"] = cursor
+        return cursor
 
     def get_attn_backend(self):
         return ReplayGDNAttentionBackend if self.ring_plan is not None else super().get_attn_backend()

@@ -10,6 +10,7 @@ process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
                   "prompts": [[token ids] | {"ids": [...], "image_seed": int}...],
                   "max_tokens": [int...],
                   "model": path (optional, replaces the spec's),
+                  "memory_check": bool (optional: testing.memory_check's report per worker, last),
                   "teacher_forced": {"save": path, "tokens": [[ids]...] | None,
                                      "tokens_from": engine name | None} (optional)}]}
 
@@ -240,6 +241,10 @@ def main(spec_path: str) -> None:
             import replayssm_patch
 
             entry["layer_decisions"] = replayssm_patch.status()["layers"]
+        if eng.get("memory_check"):  # last: it leaves the engine without a KV cache
+            from replayssm_patch.testing.memory_check import cache_memory_report
+
+            entry["memory"] = llm.collective_rpc(cache_memory_report)
         results[eng["name"]] = entry
         del llm
     if spec["patched"]:
