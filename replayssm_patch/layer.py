@@ -99,13 +99,16 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
             shadow.poison_rings(self.replay_ring)
 
     def _cursor_for(self, pages: torch.Tensor) -> torch.Tensor:
-        """The slots' cursor words. A rebind that still fits keeps the tensor, whose address
-        CUDA graphs captured before it hold; a larger or moved cache gets a new, empty one."""
+        """The slots' cursor words. A rebind that still fits (vLLM 0.34's extensible cache
+        binds its capacity, captures the CUDA graphs, then rebinds fewer blocks at the same
+        addresses) keeps a prefix of the same tensor, whose address those graphs hold; a larger
+        or moved cache gets a new, empty one."""
+        slots = pages.shape[0]
         cursor = self.__dict__.get("_ring_cursor")
-        if cursor is None or cursor.device != pages.device or cursor.numel() < pages.shape[0]:
-            cursor = torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device)
+        if cursor is None or cursor.device != pages.device or cursor.numel() < slots:
+            cursor = torch.zeros(slots, dtype=torch.int32, device=pages.device)
             self.__dict__["_ring_cursor"] = cursor
-        return cursor
+        return cursor[:slots]
 
     def get_attn_backend(self):
         return ReplayGDNAttentionBackend if self.ring_plan is not None else super().get_attn_backend()
