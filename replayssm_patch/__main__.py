@@ -1,17 +1,23 @@
 """`python -m replayssm_patch doctor [MODEL] [options]`: would the patch apply here, and to what?
 
 Prints the vLLM version and platform, whether the patch would apply in this environment (the
-version gate and every patch-point probe), and, for a model (a local path, or a Hugging Face id
-already in the local cache), which GDN layers would decode through the ring, the ring's cache
-memory per request, and every reason for falling back to vLLM's native decode.
+version gate and every patch-point probe) and, for a model (a local directory, or a Hugging Face
+id already in the local cache: doctor never downloads), which GDN layers the plan puts on the
+ring, the ring's cache memory per request, and every reason for vLLM's native decode.
+
+Exit status: 0 the ring would serve (or, without a model, the patch would apply); 1 it would
+not (the reasons are printed); 2 a usage error (a bad option, a model doctor cannot read).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from . import options as opts_mod
+from . import config as cfg
+
+USAGE = "python -m replayssm_patch doctor [MODEL] [options]"
 
 
 def _mib(n: int) -> str:
@@ -19,8 +25,8 @@ def _mib(n: int) -> str:
 
 
 def _gdn_layer_count(hf_config) -> int:
-    """GDN layers a config declares: its `linear_attention` layer types, else (configs with
-    GDN dimensions but no layer list) every layer; 0 for a model without GDN dimensions."""
+    """GDN layers a config declares: its `linear_attention` layer types, else (configs with GDN
+    dimensions but no layer list) every layer; 0 for a model without GDN dimensions."""
     types = getattr(hf_config, "layer_types", None)
     if types:
         return sum(t == "linear_attention" for t in types)
@@ -29,94 +35,106 @@ def _gdn_layer_count(hf_config) -> int:
     return int(getattr(hf_config, "num_hidden_layers", 0))
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m replayssm_patch doctor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", help="model directory or cached Hugging Face id")
+    ring = ap.add_argument_group("replayssm options (default: the environment's, when VLLM_GDN_REPLAYSSM=1, "
+                                 "else the package's)")
+    for f, opt in cfg.options():
+        if opt.user and f.name != "enable":
+            ring.add_argument("--" + f.name.replace("_", "-"), default=None, metavar="VALUE",
+                              help=f"{opt.help} [{opt.accepted}; {opt.env}]")
+    engine = ap.add_argument_group("the engine (as vLLM's own flags)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1)
+    engine.add_argument("--dtype", default="auto")
+    engine.add_argument("--mamba-ssm-cache-dtype", default="auto")
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens")
+    engine.add_argument("--max-num-seqs", type=int, default=None)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None)
+    return ap
+
+
+def _config(ap, args) -> cfg.ReplayConfig:
+    """The environment's config (when it enables the patch) with the flags given on top."""
+    try:
+        values = {**cfg.from_env().as_dict(), "enable": True}
+        for f, opt in cfg.options():
+            raw = getattr(args, f.name, None) if opt.user and f.name != "enable" else None
+            if raw is not None:
+                values[f.name] = opt.parse("--" + f.name.replace("_", "-"), raw)
+        return cfg.ReplayConfig(**values)
+    except cfg.OptionError as e:
+        ap.error(str(e))  # a usage error: exit status 2
+
+
+def _engine_config(args):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = dict(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
+              tensor_parallel_size=args.tensor_parallel_size, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+              enable_prefix_caching=not args.no_prefix_caching)
+    for name in ("max_num_seqs", "max_model_len", "gpu_memory_utilization"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    ea = EngineArgs(**kw)
+    if args.num_speculative_tokens:
+        ea.speculative_config = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
+    return ea.create_engine_config()
 
 
 def doctor(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m replayssm_patch doctor", description=__doc__)
-    ap.add_argument("model", nargs="?", help="model directory or cached Hugging Face id")
-    ap.add_argument("--ring-len", type=int, default=None, help="ring length (default: env or 16)")
-    ap.add_argument("--ring-dtype", default=None, choices=opts_mod.RING_DTYPES)
-    ap.add_argument("--min-batch", default=None,
-                    help="smallest plain-decode batch served by the ring: auto or an integer (default: env or auto)")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--dtype", default="auto", help="activation dtype, as vLLM's --dtype")
-    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", help="as vLLM's --mamba-ssm-cache-dtype")
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens")
+    ap = _parser()
     args = ap.parse_args(argv)
-
-    try:
-        env_opts = opts_mod.from_env()
-        o = opts_mod.Options(
-            enabled=True,
-            ring_len=(opts_mod.check_ring_len("--ring-len", args.ring_len) if args.ring_len is not None
-                      else env_opts.ring_len),
-            ring_dtype=opts_mod.check_ring_dtype("--ring-dtype", args.ring_dtype or env_opts.ring_dtype),
-            # the environment's switches count, as they would in an engine started from this shell
-            # (VLLM_GDN_REPLAYSSM_MTP defaults to off: MTP stays native unless =1)
-            allow_16bit_state=env_opts.allow_16bit_state,
-            allow_mtp=env_opts.allow_mtp,
-            mtp_kernel=env_opts.mtp_kernel,
-            min_batch=(opts_mod.check_min_batch("--min-batch", args.min_batch) if args.min_batch is not None
-                       else env_opts.min_batch),
-        )
-    except opts_mod.OptionError as e:
-        ap.error(str(e))  # a usage error: exit status 2
-    from . import decisions, patching, versions
+    config = _config(ap, args)
+    from . import activation, versions
 
     version = versions.installed_vllm_version()
     print(f"vLLM: {version or 'not installed'} (supported {versions.SUPPORTED_RANGE})")
     if version is None:
         return 1
-    platform = decisions.platform()
+    platform = activation.platform()
     print(f"platform: {platform}")
-    print(f"enabled by environment: {env_opts.enabled} (VLLM_GDN_REPLAYSSM)")
-    reasons = patching._refusal_reasons(platform)
+    print(f"enabled by environment: {cfg.from_env().enable} (VLLM_GDN_REPLAYSSM)")
+    reasons = activation.refusal_reasons(platform)
     print("patch would apply: " + ("yes" if not reasons else "no"))
     for r in reasons:
         print(f"  - {r}")
     if not args.model:
         return 0 if not reasons else 1
-
-    from vllm.engine.arg_utils import EngineArgs
-
-    ea = EngineArgs(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
-                    tensor_parallel_size=args.tensor_parallel_size,
-                    mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                    enable_prefix_caching=not args.no_prefix_caching)
-    if args.num_speculative_tokens:
-        ea.speculative_config = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
-    try:
-        vllm_config = ea.create_engine_config()
-    except Exception as e:  # a missing path, an unknown Hub id, a config vLLM cannot serve
-        print(f"model: cannot read the configuration of {args.model!r}: {_first_line(e)}")
+    if not os.path.isdir(args.model) and (args.model.startswith((".", "/", "~")) or os.sep * 2 in args.model):
+        print(f"model: {args.model!r} is not a directory")
         return 2
-    from .model_hooks import builds_qwen_gdn_layers
-    from .ring_plan import plan_for
+    if not os.path.isdir(args.model):
+        os.environ["HF_HUB_OFFLINE"] = "1"  # a Hub id: the local cache only, no download or retries
+    try:
+        vllm_config = _engine_config(args)
+    except Exception as e:  # an uncached Hub id, a config vLLM cannot serve: every line of it
+        print(f"model: cannot read the configuration of {args.model!r}: {type(e).__name__}: {str(e).strip()}")
+        return 2
+    from .plan import device_memory, make_plan
+    from .vllm.model_class import builds_qwen_gdn_layers
 
     mc = vllm_config.model_config
-    plan, why = plan_for(vllm_config, o)
+    plan = make_plan(vllm_config, config, device_memory())
     n_layers = _gdn_layer_count(mc.hf_text_config)
     print(f"model: {args.model} ({mc.architecture}), {n_layers} GDN layers, "
           f"mamba_cache_mode={vllm_config.cache_config.mamba_cache_mode}")
-    if plan is not None:
-        # the patch replaces exactly vLLM's Qwen GDN layer class: other GDN layers stay native
-        ok, reason = builds_qwen_gdn_layers(vllm_config)
+    why = [f"[{r.kind}] {r.text}" for r in plan.reasons]
+    if plan.serves:
+        ok, reason = builds_qwen_gdn_layers(vllm_config)  # the patch replaces vLLM's Qwen GDN class only
         if not ok:
-            plan, why = None, [reason]
-    if plan is None:
+            why = [f"[unsupported] {reason}"]
+    if why:
         print("GDN layers: vLLM's native decode, because:")
         for r in why:
             print(f"  - {r}")
         return 1
-    when = "every speculative step" if plan.spec_tokens else f"plain decode steps of >= {plan.min_batch} rows"
-    print(f"GDN layers: all {n_layers} decode through the ring on {when} (L={plan.ring_len}, ring "
-          f"{plan.ring_dtype}, state {plan.state_dtype}; per rank: {plan.num_k_heads} key / {plan.num_v_heads} "
-          "value heads)")
-    state, ring = plan.state_bytes_per_slot * n_layers, plan.bytes_per_slot * n_layers
+    g = plan.geometry
+    print(plan.describe(mc.architecture).replace("replayssm_patch: ", "GDN layers: "))
+    state, ring = g.state_bytes_per_slot * n_layers, g.bytes_per_slot * n_layers
     print(f"cache per request and cache slot (all GDN layers, one rank): state {_mib(state)}, "
           f"ring +{_mib(ring)} (+{100 * ring / state:.1f}%)")
     return 0
@@ -124,8 +142,11 @@ def doctor(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: {USAGE}\n\n{__doc__}\n`python -m replayssm_patch doctor --help` lists the options.")
+        return 0
     if not argv or argv[0] != "doctor":
-        print("usage: python -m replayssm_patch doctor [MODEL] [options]  (--help for options)")
+        print(f"usage: {USAGE}  (--help for the options)", file=sys.stderr)
         return 2
     return doctor(argv[1:])
 

@@ -1,17 +1,17 @@
-"""`vllm.general_plugins` entry point: vLLM calls `register()` in every process it starts
-(front end, engine core, workers) before any model is built. Inert unless
-VLLM_GDN_REPLAYSSM=1: only then are the other variables read, and an invalid value raises,
-naming the variable."""
+"""`vllm.general_plugins` entry point: vLLM calls `register()` in every process it starts (front
+end, engine core, workers) before any model is built. Inert unless VLLM_GDN_REPLAYSSM=1: only
+then are the other variables read, and an invalid value raises, naming the variable."""
 
 from __future__ import annotations
 
 
 def register() -> None:
-    from . import options, patching
+    from . import activation, config
 
-    options.declare_to_vllm()
-    if options.enabled_in_env():
-        patching.apply(options.from_env())
-    # after apply: the options this process's first engine is built with (a process vLLM
-    # spawns starts without any, and its own apply is not "too late")
-    patching.note_engine_start()
+    config.declare_to_vllm()
+    wanted = config.from_env()
+    if wanted.enable:
+        activation.apply(wanted)
+    # after apply: the config this process's first engine is built with (a process vLLM spawns
+    # starts without any, and its own apply is not "too late")
+    activation.note_engine_start()

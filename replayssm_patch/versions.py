@@ -24,6 +24,7 @@ SUPPORTED_RANGE = f">={MIN_VERSION}, <{MAX_VERSION}"
 
 QWEN_GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
 GDN_BUILDER = "vllm/v1/attention/backends/gdn_attn.py"
+GDN_BUILDER_MODULE = "vllm.v1.attention.backends.gdn_attn"
 MAMBA_ABSTRACT = "vllm/model_executor/layers/mamba/abstract.py"
 KV_IFACE = "vllm/v1/kv_cache_interface.py"
 CUSTOM_OP = "vllm/model_executor/custom_op.py"
@@ -51,7 +52,8 @@ def installed_vllm_version() -> str | None:
     return getattr(vllm, "__version__", None)
 
 
-MTP_CUDA_MIN_VERSION = Version("0.32")  # the CUDA MTP routing is written for vLLM 0.32/0.33
+MTP_CUDA_MIN_VERSION = Version("0.32")  # the CUDA MTP routing is written for vLLM 0.32 and later
+MRV2_ONLY_VERSION = Version("0.34")  # vLLM's V1 model runner is gone (and use_v2_model_runner with it)
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,34 @@ def registers_op(op: str):
             if isinstance(n, ast.Constant) and n.value == op:
                 return None
         return f"custom op {op!r} not registered"
+
+    return check
+
+
+def assigns_attribute(cls: str, *attrs: str):
+    """Class `cls` assigns `self.<attr>` for one of `attrs` somewhere in its methods."""
+    def check(tree):
+        node = _find(tree, cls, None)
+        if node is None:
+            return f"{cls} not found"
+        for n in ast.walk(node):
+            if (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                    and n.value.id == "self" and n.attr in attrs):
+                return None
+        return f"{cls} assigns none of {list(attrs)}"
+
+    return check
+
+
+def calls_with_keywords(fn: str, keywords: list[str]):
+    """Some call of `fn` in the module passes every one of `keywords`."""
+    def check(tree):
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call):
+                name = n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
+                if name == fn and set(keywords) <= {k.arg for k in n.keywords}:
+                    return None
+        return f"no call of {fn} with keywords {keywords}"
 
     return check
 

@@ -7,12 +7,10 @@ import pytest
 
 @pytest.fixture
 def clean_patch_state():
-    """The patch reverted before and after the test, with no engine start on record."""
-    from replayssm_patch import options, patching
+    """The patch undone and the process's state forgotten before and after the test; yields the
+    state object (replayssm_patch.state.STATE)."""
+    from replayssm_patch.state import STATE
 
-    patching.revert()
-    patching._engine_started.clear()
-    yield patching
-    patching.revert()
-    patching._engine_started.clear()
-    patching.apply(options.Options(enabled=False))
+    STATE.reset()
+    yield STATE
+    STATE.reset()

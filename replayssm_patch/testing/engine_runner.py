@@ -49,11 +49,11 @@ def _gdn_layers_info(model):
 
 
 def _ring_counters_in_worker(model):
-    """This worker's ring-kernel counters (apply_model passes the model; the counters are
-    per process, so with several ranks each rank reports its own)."""
-    from replayssm_patch import kernels
+    """This worker's ring counters (apply_model passes the model; the counters are per process,
+    so with several ranks each rank reports its own)."""
+    from replayssm_patch.state import STATE
 
-    return dict(kernels.counters)
+    return dict(STATE.stats)
 
 
 def _prompt(p) -> dict:
@@ -149,9 +149,9 @@ def _gdn_cache_bytes(llm) -> dict | None:
 def _ring_counters(spec) -> dict:
     if not spec["patched"]:
         return {}
-    from replayssm_patch import kernels
+    from replayssm_patch.state import STATE
 
-    return dict(kernels.counters)
+    return dict(STATE.stats)
 
 
 def arm_env(workdir, mp: bool, extra=None) -> dict:
@@ -190,7 +190,7 @@ def main(spec_path: str) -> None:
         report = replayssm_patch.patch(ring_len=spec.get("ring_len", 16), strict=spec.get("strict", True),
                                        ring_dtype=spec.get("ring_dtype", "auto"),
                                        min_batch=spec.get("min_batch", 1),
-                                       allow_mtp=spec.get("allow_mtp", False))
+                                       allow_mtp="ring" if spec.get("allow_mtp") else "native")
         assert report["applied"], report
     from vllm import LLM, SamplingParams
 

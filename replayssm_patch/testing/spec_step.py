@@ -1,19 +1,22 @@
 """A speculative-only MTP step outside vLLM: a stand-in layer, metadata and inputs, and vLLM's
 own `_forward_core` for such a step (0.32 / 0.33) with our verify wrapper in it.
 
-`intercept.verify_step` replaces that path on CUDA; tests/test_verify_step.py checks the two
+`vllm.spec_verify_step.verify_step` replaces that path on CUDA; tests/test_verify_step.py checks the two
 agree, and `benchmarks/host_overhead.py --verify-step` times their host cost. Everything here
 runs on the CPU (the verify's CPU form is the torch reference).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import torch
 
-from .. import intercept
 from .._vendored import pack_cursor
+from ..ring.call import RingCall, ring_call
+from ..ring.runtime import ops_for
+from ..vllm import sigmoid_update
 
 H, HV, K, V, L, T, WIDTH = 2, 4, 16, 16, 16, 3, 4
 W = T + 1
@@ -55,7 +58,8 @@ def make_step(seed: int, rows: int = 3, slots: int = 8, pad: int = 2, device="cp
         kv_cache=(torch.randn(slots, WIDTH - 1, DIM, generator=gen), torch.randn(slots, HV, V, K, generator=gen) * 0.1),
         conv1d=SimpleNamespace(weight=torch.randn(DIM, 1, WIDTH, generator=gen), bias=torch.randn(DIM, generator=gen)),
         activation="silu", A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV, generator=gen),
-        head_k_dim=K, ring_plan=SimpleNamespace(spec_window=W, verify_kernel="triton"), replay_ring=ring)
+        head_k_dim=K, ring_plan=SimpleNamespace(spec_window=W, verify_kernel="triton"), replay_ring=ring,
+        ring_ops=ops_for(torch.device(device).type, Counter()))
     slot = torch.randperm(slots - 1, generator=gen)[:rows].int() + 1
     idx = torch.cat([slot, torch.zeros(pad, dtype=torch.int32)])[:, None].expand(-1, W)
     md = SimpleNamespace(spec_sequence_masks=torch.ones(rows, dtype=torch.bool), num_prefills=0, num_decodes=0,
@@ -87,7 +91,7 @@ def _vllm_kernel(**kw):
     raise AssertionError("the ring's wrapper let a speculative step through to vLLM's kernel")
 
 
-_update = intercept.make_sigmoid_update_wrapper(_vllm_kernel)
+_update = sigmoid_update.make_wrapper(_vllm_kernel)
 
 
 def via_wrapper(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
@@ -107,8 +111,8 @@ def via_wrapper(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
                fused[2 * n * H * K:].view(1, n, HV, V))
     state = layer.kv_cache[1]
     flags = torch.zeros(rows, dtype=torch.int8, device=state.device)
-    call = intercept.RingCall(state.data_ptr(), layer.replay_ring, flags, flags, K ** -0.5, W)
-    with intercept.ring_call(call):
+    call = RingCall(state, layer.replay_ring, layer.ring_ops, flags, flags, K ** -0.5, W)
+    with ring_call(call):
         out, _ = _update(A_log=layer.A_log, a=a[:n], b=b[:n], dt_bias=layer.dt_bias, q=q, k=k, v=v,
                          initial_state=state, inplace_final_state=True, cu_seqlens=md.spec_query_start_loc[:rows + 1],
                          ssm_state_indices=idx, num_accepted_tokens=md.num_accepted_tokens,

@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from . import _vendored as lib
+from .. import _vendored as lib
 
 WINDOWS = (4, 8)  # its native windows (T + 1 tokens)
 RING_SLOTS = 32  # its rings' length (the ring tensors must have exactly this many entries)
@@ -40,7 +40,7 @@ HEAD_DIM = 128
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel():
+def load_kernel():
     """The FlashInfer entry point, or the reason it cannot be imported."""
     # Our rings and checkpoints are views into vLLM's paged cache (block-strided): its kernel
     # addresses such pools in the static-descriptor mode, read when its module loads.
@@ -66,7 +66,7 @@ def why_not(state_dtype: torch.dtype, ring_dtype: torch.dtype, K: int, V: int, w
     cap = current_platform.get_device_capability() if current_platform.is_cuda() else None
     if cap is None or cap.major < 9:
         return f"needs a CUDA GPU of compute capability 9.0 or newer (got {cap})"
-    fn, err = _kernel()
+    fn, err = load_kernel()
     if fn is None:
         return f"does not import ({err}); it needs flashinfer-python and nvidia-cutlass-dsl"
     return None
@@ -75,7 +75,7 @@ def why_not(state_dtype: torch.dtype, ring_dtype: torch.dtype, K: int, V: int, w
 def verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, slots, ring, num_accepted, window: int) -> torch.Tensor:
     """One speculative step of `rows` rows of exactly `window` tokens each (rows = slots.shape[0],
     tokens = rows * window): the semantics of ring_verify for uniform windows, up to rounding."""
-    fn, _ = _kernel()
+    fn, _ = load_kernel()
     rows = slots.shape[0]
     H, L, K = ring.k.shape[1:]
     HV, V = ring.d.shape[1], ring.d.shape[3]

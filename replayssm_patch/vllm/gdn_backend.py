@@ -1,7 +1,9 @@
-"""GDN attention backend with ring metadata: metadata + builder + backend class.
+"""The ring's GDN attention backend (returned by the ring layer's get_attn_backend): its
+KV-cache spec, metadata, builder and backend class.
 
-The builder runs vLLM's own GDN builder, then adds per-row ring flags computed on the
-device from `seq_lens` and `query_start_loc` (exact under async scheduling, no host sync):
+The layer's spec (`RingMambaSpec`) carries the plan to the builder. The builder runs vLLM's own
+GDN builder, then adds per-row ring flags computed on the device from `seq_lens` and
+`query_start_loc` (exact under async scheduling, no host sync):
 
   ring_force_flush  the step completes a prefix-cache block (align mode): the ring must be
                     empty at every block boundary, because vLLM moves only conv and SSM
@@ -11,8 +13,8 @@ device from `seq_lens` and `query_start_loc` (exact under async scheduling, no h
 
 The flags live in persistent buffers, so FULL CUDA graphs replay with fresh values. It also
 decides, once per step, whether the step's plain decode rows go through the ring at all
-(`ring_decode`, from the layers' `RingPlan.min_batch`: see replayssm_patch.dispatch); a FULL
-CUDA graph keeps the decision taken for its batch size when it was captured.
+(`ring_decode`, from the plan's `min_batch`); a FULL CUDA graph keeps the decision taken for its
+batch size when it was captured.
 
 With speculative decoding (MTP) each request has one state slot (the layer asks for
 `num_speculative_blocks=0`); the verify window lives in the ring as a pending window until
@@ -32,10 +34,30 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadata,
     GDNAttentionMetadataBuilder,
 )
+from vllm.v1.kv_cache_interface import MambaSpec
 
-from . import _vendored as lib
-from . import versions
-from .kernels import counters
+from ..plan import Plan
+from ..ring.runtime import ops_for
+from ..state import STATE
+from . import metadata_reuse
+
+
+@dataclass(frozen=True)
+class RingMambaSpec(MambaSpec):
+    """vLLM's GDN cache spec with the ring's tensors appended to its page, carrying the plan to
+    the builder (vLLM finds a spec's cache manager through its base classes)."""
+
+    ring_plan: Plan | None = None
+
+
+def ring_spec(spec: MambaSpec, plan: Plan) -> RingMambaSpec:
+    """`spec` with the ring's tensors and the plan; with MTP one checkpoint slot per request
+    instead of 1+T (the verify window lives in the ring)."""
+    g = plan.geometry
+    extra = {"num_speculative_blocks": 0} if plan.spec_tokens else {}
+    fields_ = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
+    fields_.update(shapes=tuple(spec.shapes) + g.shapes, dtypes=tuple(spec.dtypes) + g.dtypes, ring_plan=plan, **extra)
+    return RingMambaSpec(**fields_)
 
 
 @dataclass
@@ -52,25 +74,16 @@ class ReplayGDNAttentionMetadata(GDNAttentionMetadata):
 class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        plan = kv_cache_spec.ring_plan
         rows = max(vllm_config.scheduler_config.max_num_seqs, self.decode_cudagraph_max_bs) + 1
         self.ring_force_flush = torch.zeros(rows, dtype=torch.int8, device=device)
         self.ring_start_empty = torch.zeros(rows, dtype=torch.int8, device=device)
         self.align = vllm_config.cache_config.mamba_cache_mode == "align"
         self.block_size = kv_cache_spec.block_size
-        # every layer of a group has the same plan (it is taken from the config alone)
-        layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
-        self.min_batch = layer.ring_plan.min_batch
+        self.min_batch = plan.min_batch
+        self.ring_ops = ops_for(plan.platform, STATE.stats)
         self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
-        # vLLM (>= 0.31, V2 runner, CUDA) builds the metadata of one GDN KV-cache group per step
-        # and only re-gathers the state indices for the others (update_block_table), but turns
-        # that off for any subclass (`type(self) is GDNAttentionMetadataBuilder`): every group
-        # would rebuild everything, every step, on the host. The ring's fields are batch-level
-        # flags plus per-group prefill slot lists, which update_block_table recomputes. Not with
-        # speculative decoding: its commit slots need the step's accepted counts.
-        if (not self.num_spec and versions.capabilities().gdn_metadata_reuse
-                and getattr(vllm_config, "use_v2_model_runner", False) and torch.device(device).type == "cuda"):
-            self.supports_update_block_table = True
-            self.mamba_aligned_state_indices = None  # what vLLM's V2 runner fills for align mode
+        metadata_reuse.opt_in(self, vllm_config, device)
 
     def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
               num_decode_draft_tokens_cpu=None, fast_build=False):
@@ -91,7 +104,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         """Count the dispatch's switches between decode steps (status() counters)."""
         last = self._last_ring_decode
         if last is not None and last != ring_decode:
-            counters["dispatch_to_ring" if ring_decode else "dispatch_to_native"] += 1
+            self.ring_ops.stats["dispatch_to_ring" if ring_decode else "dispatch_to_native"] += 1
         self._last_ring_decode = ring_decode
 
     def _spec_fields(self, m, md, num_accepted_tokens, draft_tokens_cpu) -> dict:
@@ -137,8 +150,10 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         rows = m.num_reqs
         qsl = m.query_start_loc[: rows + 1]
         seq = m.seq_lens[:rows]  # tokens computed after this step
-        fill_ring_flags(qsl, seq, self.ring_force_flush, self.ring_start_empty, rows,
-                        self.block_size if self.align else None)
+        # flush at (force) and start empty after (empty) a prefix-cache block boundary in align
+        # mode; the formulas are in ops' ring_flags
+        self.ring_ops.fill_flags(qsl, seq, self.ring_force_flush, self.ring_start_empty, rows,
+                                 self.block_size if self.align else None)
         out = {"ring_force_flush": self.ring_force_flush, "ring_start_empty": self.ring_start_empty}
         if md.num_spec_decodes == 0:
             out.update(self._prefill_slots(md, self.ring_start_empty[:rows]))
@@ -161,24 +176,6 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         re-gathers the state indices; the ring flags are batch-level and stay shared."""
         md = super().update_block_table(metadata, blk_table, slot_mapping)
         return replace(md, **self._prefill_slots(md, md.ring_start_empty))
-
-
-def fill_ring_flags(qsl, seq, force, empty, rows: int, block_size: int | None) -> None:
-    """Rows 0..rows-1 of the flag buffers for this step, from `query_start_loc` and `seq_lens`
-    (`block_size`: the prefix-cache block in align mode, else None; the formulas are in
-    _vendored/ring_flags.py). On CUDA one launch, where each torch op below would be one, paid
-    every step on the host; tests/test_ring_flags_interpret.py checks the two agree."""
-    if force.is_cuda:
-        lib.ring_flags(qsl, seq, force, empty, rows, block_size)
-        return
-    computed = seq - (qsl[1:] - qsl[:-1])  # tokens computed before this step
-    force, empty = force[:rows], empty[:rows]
-    if block_size is None:
-        force.zero_()
-        empty.copy_(computed == 0)
-    else:
-        force.copy_(torch.remainder(seq, block_size) == 0)
-        empty.copy_(torch.remainder(computed, block_size) == 0)
 
 
 class ReplayGDNAttentionBackend(GDNAttentionBackend):

@@ -1,4 +1,5 @@
-"""Model-class page-size hooks: make vLLM size the Mamba page with the ring included.
+"""Patch point: the served model class's page-size hooks, so that vLLM sizes the hybrid page
+with the ring included (installed with the first ring layer: the class is known only then).
 
 vLLM fixes the hybrid page size from the model class (`Platform._align_hybrid_block_size`,
 in the worker after the model is built), independently of the layers' cache specs. If the
@@ -17,11 +18,9 @@ import inspect
 import re
 import sys
 
-from . import versions
+from .. import versions
 
 _MARK = "_replayssm_page_hook"
-# (class, attribute name, previous value in the class __dict__ or None)
-_installed: list[tuple[type, str, object]] = []
 
 
 def _model_class(vllm_config):
@@ -58,15 +57,27 @@ def builds_qwen_gdn_layers(vllm_config) -> tuple[bool, str]:
                 obj = getattr(module, name, None)
                 if obj is target:
                     return True, ""
-                if isinstance(obj, type) and obj not in seen and obj.__module__.startswith("vllm.model"):
+                if isinstance(obj, type) and obj not in seen and obj.__module__.startswith("vllm."):
                     todo.append(obj)
     return False, (f"{cls.__name__} builds no {target.__name__} layer (its GDN layers, if any, are another "
                    "class, which the patch leaves native)")
 
 
-def _set(cls, name, value):
-    _installed.append((cls, name, cls.__dict__.get(name)))
+def _set(cls, name, value, state):
+    """Set a class attribute, with its undo in `state.undo` (and its name in state.patched)."""
+    previous = cls.__dict__.get(name)
+
+    def undo():
+        if previous is None:
+            if name in cls.__dict__:
+                delattr(cls, name)
+        else:
+            setattr(cls, name, previous)
+
+    state.undo.append(undo)
     setattr(cls, name, value)
+    if name != _MARK:
+        state.patched.append(f"{cls.__module__}.{cls.__qualname__}.{name} (page-size hook)")
 
 
 def _is_gdn_state(spec, gdn_state_shape) -> bool:
@@ -74,10 +85,10 @@ def _is_gdn_state(spec, gdn_state_shape) -> bool:
     return len(shapes) == 2 and shapes[1] == tuple(gdn_state_shape)
 
 
-def ensure(vllm_config, ring_shapes_for) -> tuple[bool, str]:
-    """Install the hooks on the served model class; `ring_shapes_for(vllm_config)` returns
-    (shapes, dtypes) to append and the GDN SSM state shape they go with, or None when the ring
-    is off for that config."""
+def ensure(vllm_config, ring_shapes_for, state) -> tuple[bool, str]:
+    """Install the hooks on the served model class (their undo goes to `state.undo`);
+    `ring_shapes_for(vllm_config)` returns (shapes, dtypes) to append and the GDN SSM state shape
+    they go with, or None when the ring is off for that config."""
     try:
         cls = _model_class(vllm_config)
     except Exception as e:  # registry API differences, import failures
@@ -101,7 +112,7 @@ def ensure(vllm_config, ring_shapes_for) -> tuple[bool, str]:
             return [replace(s, shapes=tuple(s.shapes) + extra[0], dtypes=tuple(s.dtypes) + extra[1])
                     if _is_gdn_state(s, extra[2]) else s for s in specs]
 
-        _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config))
+        _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config), state)
     elif versions.capabilities().platform_prefers_specs:
         def get_mamba_specs_from_config(klass, vllm_config):
             shapes = tuple(klass.get_mamba_state_shape_from_config(vllm_config))
@@ -111,7 +122,7 @@ def ensure(vllm_config, ring_shapes_for) -> tuple[bool, str]:
                 shapes, dtypes = shapes + extra[0], dtypes + extra[1]
             return [MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1)]
 
-        _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config))
+        _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config), state)
     else:
         native_shape = cls.get_mamba_state_shape_from_config
         native_dtype = cls.get_mamba_state_dtype_from_config
@@ -126,17 +137,7 @@ def ensure(vllm_config, ring_shapes_for) -> tuple[bool, str]:
             base = tuple(native_dtype(vllm_config))
             return base if extra is None else base + extra[1]
 
-        _set(cls, "get_mamba_state_shape_from_config", classmethod(get_mamba_state_shape_from_config))
-        _set(cls, "get_mamba_state_dtype_from_config", classmethod(get_mamba_state_dtype_from_config))
-    _set(cls, _MARK, True)
+        _set(cls, "get_mamba_state_shape_from_config", classmethod(get_mamba_state_shape_from_config), state)
+        _set(cls, "get_mamba_state_dtype_from_config", classmethod(get_mamba_state_dtype_from_config), state)
+    _set(cls, _MARK, True, state)
     return True, ""
-
-
-def remove_all() -> None:
-    while _installed:
-        cls, name, previous = _installed.pop()
-        if previous is None:
-            if name in cls.__dict__:
-                delattr(cls, name)
-        else:
-            setattr(cls, name, previous)

@@ -1,0 +1,53 @@
+"""What the patch holds in one process: the one mutable object of the package (`STATE`).
+
+The config in force, what was installed and how to undo it, each GDN layer's decision, the ring
+operations' counters and the log lines already written. `status()` reports it; tests start from
+`STATE.reset()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import ReplayConfig
+
+logger = logging.getLogger("vllm.replayssm_patch")
+
+
+class PatchRefused(RuntimeError):
+    """Strict mode: the ring cannot serve where it was asked to (the message says why)."""
+
+
+@dataclass
+class PatchState:
+    config: ReplayConfig = field(default_factory=ReplayConfig)
+    applied: bool = False
+    vllm_version: str | None = None
+    reasons: list[str] = field(default_factory=list)  # why the patch was not applied
+    warnings: list[str] = field(default_factory=list)
+    patched: list[str] = field(default_factory=list)  # what install() changed (the table's names)
+    undo: list[Callable[[], None]] = field(default_factory=list)  # newest last
+    layers: dict[str, str] = field(default_factory=dict)  # GDN layer prefix -> "ring" | "native: why"
+    stats: Counter = field(default_factory=Counter)  # ring operations run in this process
+    logged: set[str] = field(default_factory=set)
+    # the config in force when vLLM created this process's first engine (the plugin notes it):
+    # a later patch() with other options came too late for that engine
+    engine_config: ReplayConfig | None = None
+    engine_started: bool = False
+
+    def log_once(self, level: int, msg: str) -> None:
+        if msg not in self.logged:
+            self.logged.add(msg)
+            logger.log(level, msg)
+
+    def reset(self) -> None:
+        """Forget everything (tests): undo what was installed, then start afresh."""
+        while self.undo:
+            self.undo.pop()()
+        self.__init__()
+
+
+STATE = PatchState()

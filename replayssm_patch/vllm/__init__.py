@@ -1,0 +1,307 @@
+"""Every change the package makes to vLLM, indexed: `POINTS`.
+
+One entry per patch point, one file per point in this package (its replacement and nothing else).
+Each entry says what it changes, why, how, the upstream work that would make it unnecessary, when
+it can go, when it applies, and the source probes that must pass before anything changes.
+`install` / `revert`, the probes (`run_probes`) and status()["patched"] come from this table.
+
+When a point applies:
+  "process start"    installed by `install()` (patch() or the plugin, in every vLLM process);
+  "first ring layer" installed when vLLM builds the first GDN layer the plan puts on the ring
+                     (the served model class is known only then);
+  "ring layer"       applied to each GDN layer the plan puts on the ring, as it is built;
+  "ring backend"     set by the ring's metadata builder on itself (a vLLM attribute it opts into).
+
+Kinds: "register_oot" (a layer class registered as vLLM's out-of-tree replacement), "wrap"
+(module.attribute = make_wrapper(native)), "class hooks" (methods of the served model class),
+"attribute" (a vLLM attribute set on our own objects), "call" (vLLM's calls re-made by our code),
+"environment" (a variable set for a library the ring calls).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import versions
+from ..versions import (
+    CPU_GDN,
+    CUSTOM_OP,
+    GDN_BUILDER,
+    KV_IFACE,
+    MAMBA_ABSTRACT,
+    QWEN_GDN,
+    Probe,
+    assigns_attribute,
+    calls_with_keywords,
+    dataclass_fields,
+    has_method,
+    imports_name,
+    installed_source,
+    registers_op,
+)
+
+WORKER_BASE = "vllm/v1/worker/worker_base.py"
+QWEN_GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+CPU_GDN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+LAYER_CLASS = "QwenGatedDeltaNetAttention"
+CPU_UPDATE_PARAMS = ["A_log", "dt_bias", "q", "k", "v", "a", "b", "initial_state_source",
+                     "initial_state_indices", "cu_seqlens", "use_qk_l2norm_in_kernel"]
+_LAYER = "replayssm_patch.vllm.gdn_layer:ReplayQwenGDN"
+FUSED_DECODE_FLAGS = ("enable_fused_gdn_spec_decode", "enable_fused_gdn_decode")  # vLLM >= 0.32, before
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    kind: str
+    module: str  # where the changed attribute lives (vLLM's module, or the library's)
+    attribute: str
+    replacement: str  # "module:name" in this package
+    what: str
+    why: str
+    how: str
+    upstream: str  # the upstream work that would make the point unnecessary
+    remove_when: str
+    applies: str = "process start"
+    platform: str = "any"  # "any" | "cpu" | "cuda"
+    required: bool = True  # False: skipped where this vLLM build lacks the attribute
+    probes: tuple[Probe, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+
+_SEED = "vLLM PR 65657 (FlashInfer GDN ReplaySSM) and its successors: GDN ReplaySSM inside vLLM"
+
+POINTS = (
+    PatchPoint(
+        "register_oot", QWEN_GDN_MODULE, LAYER_CLASS, _LAYER,
+        what="every Qwen GDN layer vLLM builds is ReplayQwenGDN (Olmo and Kimi GDN layers are other classes)",
+        why="the ring needs its tensors in the layer's cache page, its plan in the cache spec and its "
+            "kernels in the decode path",
+        how="a subclass: get_kv_cache_spec / bind_kv_cache add the ring, get_attn_backend returns the ring "
+            "backend, _forward_core runs vLLM's own core inside a ring call",
+        upstream=_SEED, remove_when="vLLM serves GDN ReplaySSM itself",
+        probes=(
+            Probe("layer _forward_core", QWEN_GDN, has_method(LAYER_CLASS, "_forward_core",
+                                                              ["self", "mixed_qkv", "b", "a", "core_attn_out"],
+                                                              exact=True)),
+            Probe("layer get_state_shape", QWEN_GDN, has_method(LAYER_CLASS, "get_state_shape")),
+            Probe("GDN core custom op", QWEN_GDN, registers_op("qwen_gdn_attention_core")),
+            Probe("builder build()", GDN_BUILDER, has_method(
+                "GDNAttentionMetadataBuilder", "build",
+                ["self", "common_prefix_len", "common_attn_metadata", "num_accepted_tokens",
+                 "num_decode_draft_tokens_cpu", "fast_build"], exact=True)),
+            Probe("GDN metadata fields", GDN_BUILDER, dataclass_fields(
+                "GDNAttentionMetadata", ["num_prefills", "num_decodes", "num_spec_decodes", "has_initial_state",
+                                         "non_spec_state_indices_tensor", "spec_sequence_masks"])),
+            Probe("MambaBase.bind_kv_cache", MAMBA_ABSTRACT,
+                  has_method("MambaBase", "bind_kv_cache", ["self", "kv_cache"])),
+            Probe("MambaBase.get_kv_cache_spec", MAMBA_ABSTRACT, has_method("MambaBase", "get_kv_cache_spec")),
+            Probe("MambaSpec fields", KV_IFACE, dataclass_fields("MambaSpec", ["shapes", "dtypes", "page_size_padded"])),
+            Probe("PluggableLayer.register_oot", CUSTOM_OP, has_method("PluggableLayer", "register_oot")),
+        )),
+    PatchPoint(
+        "wrap", QWEN_GDN_MODULE, "fused_recurrent_gated_delta_rule_packed_decode",
+        "replayssm_patch.vllm.packed_decode:make_wrapper",
+        what="vLLM's decode recurrence of pure decode batches (CUDA)",
+        why="the call the ring's decode replaces",
+        how="passes through unless a ring call is active for the state it was given; then the ring's decode",
+        upstream=_SEED, remove_when="as the layer class",
+        probes=(Probe("packed decode kernel import", QWEN_GDN,
+                      imports_name("fused_recurrent_gated_delta_rule_packed_decode")),)),
+    PatchPoint(
+        "wrap", QWEN_GDN_MODULE, "fused_sigmoid_gating_delta_rule_update",
+        "replayssm_patch.vllm.sigmoid_update:make_wrapper",
+        what="vLLM's recurrence of mixed batches' decode rows and, with num_accepted_tokens, the MTP verify (CUDA)",
+        why="the calls the ring's decode and verify replace",
+        how="decode rows to the ring's decode, verify calls to its verify; anything else passes through after "
+            "its rows' rings are flushed",
+        upstream=_SEED, remove_when="as the layer class",
+        probes=(Probe("sigmoid-gating update import", QWEN_GDN,
+                      imports_name("fused_sigmoid_gating_delta_rule_update")),)),
+    PatchPoint(
+        "call", QWEN_GDN_MODULE, f"{LAYER_CLASS}._forward_core (MTP verify-only steps)",
+        "replayssm_patch.vllm.spec_verify_step:verify_step", platform="cuda",
+        what="a step whose rows are all MTP verify rows makes vLLM's conv update and the ring's verify itself",
+        why="vLLM's unfused Python around the two calls (split, cat, binding, copy) cost the host more than "
+            "the GPU work it wraps at large batches",
+        how="the same causal_conv1d_update call, with the same arguments, as vLLM's _forward_core makes for "
+            "such a step, then the ring's verify on its output",
+        upstream=_SEED, remove_when="as the layer class", applies="ring layer",
+        probes=(Probe("spec conv update call", QWEN_GDN, calls_with_keywords(
+            "causal_conv1d_update", ["conv_state_indices", "num_accepted_tokens", "query_start_loc",
+                                     "max_query_len", "validate_data"])),)),
+    PatchPoint(
+        "attribute", QWEN_GDN_MODULE, f"{LAYER_CLASS}.enable_fused_gdn_spec_decode",
+        "replayssm_patch.vllm.fused_decode_flags:disable",
+        what="vLLM's fused MTP decode is off on MTP ring layers (enable_fused_gdn_decode before vLLM 0.32)",
+        why="it reads and writes 1+T state slots per request itself; with one slot every verify must reach "
+            "_forward_core",
+        how="the layer's flag set to False when the plan serves MTP",
+        upstream=_SEED, remove_when="as the layer class", applies="ring layer",
+        probes=(Probe("fused MTP flag", QWEN_GDN, assigns_attribute(LAYER_CLASS, *FUSED_DECODE_FLAGS)),)),
+    PatchPoint(
+        "attribute", versions.GDN_BUILDER_MODULE, "GDNAttentionMetadataBuilder.supports_update_block_table",
+        "replayssm_patch.vllm.metadata_reuse:opt_in", platform="cuda", required=False,
+        what="the ring's builder opts into vLLM's metadata reuse across GDN cache groups",
+        why="vLLM turns it on for its own builder class only; without it every group rebuilds all metadata "
+            "on the host every step",
+        how="the builder sets supports_update_block_table and mamba_aligned_state_indices on itself, under "
+            "vLLM's own conditions (no MTP: the commit slots need each step's accepted counts)",
+        upstream="vLLM's reuse condition accepting subclasses", remove_when="vLLM accepts subclasses",
+        applies="ring backend",
+        probes=(Probe("builder update_block_table", GDN_BUILDER,
+                      has_method("GDNAttentionMetadataBuilder", "update_block_table")),)),
+    PatchPoint(
+        "class hooks", "vllm.model_executor.models.<served model class>",
+        "get_mamba_specs_from_config (vLLM >= 0.31) or get_mamba_state_{shape,dtype}_from_config",
+        "replayssm_patch.vllm.model_class:ensure",
+        what="the served model class sizes the hybrid page with the ring",
+        why="vLLM sizes the page from the model class, apart from the layers' specs: both must include the "
+            "ring or MambaSpec.page_size_bytes asserts",
+        how="the class's hook appends the ring's shapes and dtypes to its GDN spec (found by its state shape)",
+        upstream=_SEED, remove_when="as the layer class", applies="first ring layer"),
+    PatchPoint(
+        "wrap", CPU_GDN_MODULE, "_cpu_gdn_attention_nonspec", "replayssm_patch.vllm.cpu_core:make_wrapper",
+        platform="cpu",
+        what="vLLM's CPU GDN core",
+        why="the CPU build runs the GDN core here, not through _forward_core",
+        how="the same ring bookkeeping as _forward_core (commit, flush prefill rows, reset after prefill)",
+        upstream=_SEED, remove_when="vLLM's CPU path goes through _forward_core, or ships the ring",
+        probes=(Probe("CPU GDN non-spec path", CPU_GDN,
+                      has_method(None, "_cpu_gdn_attention_nonspec", ["layer", "attn_metadata_i"])),)),
+    PatchPoint(
+        "wrap", CPU_GDN_MODULE, "_cpu_gdn_attention_spec_aware", "replayssm_patch.vllm.cpu_core:make_wrapper",
+        platform="cpu", required=False,
+        what="vLLM's CPU GDN core with MTP (absent from older builds: MTP stays native there)",
+        why="as the non-spec core", how="as the non-spec core; its kernels go through the wrappers below",
+        upstream=_SEED, remove_when="as the CPU core"),
+    PatchPoint(
+        "wrap", "vllm._custom_ops", "fused_sigmoid_gating_delta_rule_update_cpu",
+        "replayssm_patch.vllm.cpu_update:make_wrapper", platform="cpu",
+        what="vLLM's CPU decode recurrence",
+        why="the call the ring's decode replaces on CPU",
+        how="the ring's step, taken by this very kernel from each row's replayed state (ring.cpu)",
+        upstream=_SEED, remove_when="as the CPU core",
+        probes=(Probe("CPU decode kernel", versions.CUSTOM_OPS,
+                      has_method(None, "fused_sigmoid_gating_delta_rule_update_cpu", CPU_UPDATE_PARAMS)),)),
+    PatchPoint(
+        "wrap", "vllm._custom_ops", "fused_sigmoid_gating_delta_rule_update_spec_cpu",
+        "replayssm_patch.vllm.cpu_spec_update:make_wrapper", platform="cpu", required=False,
+        what="vLLM's CPU MTP recurrence (1+T state slots per request)",
+        why="the call the ring's verify replaces on CPU",
+        how="the ring's verify: commit the previous window, verify, keep the new window pending",
+        upstream=_SEED, remove_when="as the CPU core"),
+    PatchPoint(
+        "attribute", "vllm.v1.worker.worker_base", "WorkerBase.replayssm_status",
+        "replayssm_patch.vllm.worker_status:replayssm_status",
+        what="vLLM's workers answer collective_rpc('replayssm_status') with their patch report",
+        why="the layers and the ring's counters live where vLLM builds the model, by default another "
+            "process: status(llm) asks the workers by a method name, which vLLM sends without pickling code",
+        how="a method added to WorkerBase (vLLM's own methods untouched)",
+        upstream="none: a plugin's own report", remove_when="vLLM offers plugins a status channel",
+        probes=(Probe("worker base class", WORKER_BASE, has_method("WorkerBase", "__init__")),)),
+    PatchPoint(
+        "environment", "flashinfer.gdn_kernels", "SGLANG_GDN_WY_STRIDED_QKV",
+        "replayssm_patch.ring.flashinfer:load_kernel", platform="cuda", required=False,
+        what="FlashInfer's ReplaySSM MTP kernel reads block-strided pools (set only with mtp_kernel='flashinfer')",
+        why="the ring's checkpoints and entries are views into vLLM's paged cache",
+        how="the variable is set (unless already set) before FlashInfer's module loads",
+        upstream="FlashInfer taking the pool's strides per call", remove_when="FlashInfer does",
+        applies="ring layer"),
+)
+
+
+def points_for(platform: str) -> tuple[PatchPoint, ...]:
+    return tuple(p for p in POINTS if p.platform in ("any", platform))
+
+
+def run_probes(read_source: Callable[[str], str | None] = installed_source, cpu: bool = False) -> list[str]:
+    """The failed probes of this platform's points (empty: all look as expected); `read_source(path)`
+    gives a vLLM source file's text (the installed one, or a released wheel's)."""
+    failures, trees = [], {}
+    for point in points_for("cpu" if cpu else "cuda"):
+        for probe in point.probes:
+            if probe.path not in trees:
+                text = read_source(probe.path)
+                trees[probe.path] = ast.parse(text) if text is not None else None
+            tree = trees[probe.path]
+            why = f"{probe.path} missing" if tree is None else probe.check(tree)
+            if why:
+                failures.append(f"{probe.name}: {why}")
+    return failures
+
+
+WRAPPED_PARAMS = {
+    "fused_recurrent_gated_delta_rule_packed_decode":
+        ["mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "out", "ssm_state_indices",
+         "use_qk_l2norm_in_kernel"],
+    "fused_sigmoid_gating_delta_rule_update":
+        ["A_log", "a", "b", "dt_bias", "q", "k", "v", "initial_state", "inplace_final_state", "cu_seqlens",
+         "ssm_state_indices", "num_accepted_tokens", "use_qk_l2norm_in_kernel"],
+}
+
+
+def runtime_signatures() -> list[str]:
+    """The recurrence kernels the layer module holds (after import) take what the wrappers read."""
+    mod = importlib.import_module(QWEN_GDN_MODULE)
+    failures = []
+    for name, params in WRAPPED_PARAMS.items():
+        fn = getattr(mod, name, None)
+        fn = getattr(fn, "__wrapped__", fn)
+        if fn is None:
+            failures.append(f"{name} missing from {mod.__name__}")
+            continue
+        got = list(inspect.signature(fn).parameters)
+        if not all(p in got for p in params):
+            failures.append(f"{name} parameters {got}, expected {params}")
+    return failures
+
+
+def resolve(ref: str):
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def install(platform: str, state) -> list[str]:
+    """Make the "process start" changes of this platform's points; returns their names and
+    records how to undo each in `state.undo`."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    patched = []
+    for point in points_for(platform):
+        if point.applies != "process start":
+            continue
+        module = importlib.import_module(point.module)
+        native = getattr(module, point.attribute.partition(".")[0], None)
+        if native is None or (point.kind == "wrap" and not callable(native)):
+            if point.required:  # the probes passed, so this is a vLLM that changed under us
+                raise RuntimeError(f"{point.name} is missing although its probes passed")
+            continue
+        replacement = resolve(point.replacement)
+        if point.kind == "attribute":  # a method of ours added to a vLLM class
+            owner, _, attr = point.attribute.rpartition(".")
+            cls = getattr(module, owner)
+            setattr(cls, attr, replacement)
+            state.undo.append(lambda c=cls, a=attr: delattr(c, a))
+            patched.append(point.name)
+        elif point.kind == "register_oot":
+            replacement._replayssm_patch = True
+            native.register_oot(replacement)
+            state.undo.append(lambda name=point.attribute: op_registry_oot.pop(name, None))
+            patched.append(f"{point.attribute} -> {point.replacement.replace(':', '.')} (register_oot)")
+        else:
+            setattr(module, point.attribute, replacement(native))
+            state.undo.append(lambda m=module, a=point.attribute, n=native: setattr(m, a, n))
+            patched.append(point.name)
+    return patched
+
+
+def revert(state) -> None:
+    while state.undo:
+        state.undo.pop()()

@@ -1,0 +1,190 @@
+"""Patch point: the Qwen GDN layer with a replay ring (registered with
+`QwenGatedDeltaNetAttention.register_oot`, so every Qwen GDN layer vLLM builds is this class;
+Olmo and Kimi GDN layers are left alone).
+
+The layer takes its plan (replayssm_patch.plan) from vLLM's config and the process's
+ReplayConfig as vLLM builds it; a layer the plan keeps native behaves exactly like vLLM's class.
+A ring layer adds the ring to its cache spec (which carries the plan to the metadata builder) and
+to its pages, and runs vLLM's own GDN core inside a ring call, so that vLLM's recurrence kernels,
+replaced by the wrappers of this package, find the ring.
+"""
+
+from __future__ import annotations
+
+import logging
+from math import prod
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as vllm_gdn
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+from ..plan import Plan, device_memory, make_plan
+from ..ring import shadow
+from ..ring.call import RingCall, ring_call
+from ..ring.runtime import RingBuffers, ops_for
+from ..state import STATE, PatchRefused
+from . import fused_decode_flags, model_class, spec_verify_step
+from .gdn_backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata, ring_spec
+
+
+def plan_for(vllm_config) -> Plan:
+    """The plan of this process's config for `vllm_config`, logged once; the served model class
+    gets its page-size hooks with the first ring plan."""
+    plan = make_plan(vllm_config, STATE.config, device_memory())
+    if plan.serves:
+        ok, why = model_class.ensure(vllm_config, _ring_pages, STATE)
+        if not ok:
+            from ..plan import UNSUPPORTED, Reason
+
+            plan = Plan(plan.platform, spec_tokens=plan.spec_tokens, reasons=(Reason(UNSUPPORTED, why),))
+    arch = getattr(vllm_config.model_config, "architecture", "model")
+    msg = plan.describe(arch)
+    if not plan.serves and not plan.by_choice and STATE.config.strict and STATE.config.enable:
+        raise PatchRefused(msg)
+    STATE.log_once(logging.WARNING if not plan.serves and not plan.by_choice else logging.INFO, msg)
+    return plan
+
+
+def _ring_pages(vllm_config):
+    """(shapes, dtypes, GDN state shape) the ring adds to the page for `vllm_config`, or None."""
+    g = make_plan(vllm_config, STATE.config, device_memory()).geometry
+    return None if g is None else (g.shapes, g.dtypes, g.gdn_state_shape)
+
+
+class ReplayQwenGDN(QwenGatedDeltaNetAttention):
+    def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs):
+        super().__init__(config, vllm_config, prefix, *args, **kwargs)
+        plan = plan_for(vllm_config)
+        g = plan.geometry
+        if g is not None and (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size) != \
+                (g.num_k_heads, g.num_v_heads):
+            from ..plan import UNSUPPORTED, Reason
+
+            plan = Plan(plan.platform, reasons=(Reason(UNSUPPORTED, "layer head counts differ from the model config"),))
+        self.ring_plan: Plan = plan
+        self.replay_ring: RingBuffers | None = None
+        self.ring_ops = ops_for(plan.platform, STATE.stats) if plan.serves else None
+        STATE.layers[prefix] = "ring" if plan.serves else "native: " + "; ".join(map(str, plan.reasons))
+        if plan.serves and plan.spec_tokens:
+            fused_decode_flags.disable(self)
+
+    # -- cache spec and page binding ------------------------------------------------------
+    # vLLM binds the layer's cache by assigning `kv_cache` (MambaBase.bind_kv_cache) and
+    # releases it the same way (clear_layer_kv_caches, after the minimal cache its CUDA-graph
+    # memory profile binds; again on shutdown). The ring's views point into those pages, so
+    # they go with every assignment: kept, they held the released profiling cache alive,
+    # memory vLLM had not accounted for (max_num_seqs pages of every GDN layer).
+    @property
+    def kv_cache(self):
+        try:
+            return self.__dict__["_bound_kv_cache"]
+        except KeyError:  # not bound yet: as vLLM's class, which only annotates the attribute
+            raise AttributeError("kv_cache") from None
+
+    @kv_cache.setter
+    def kv_cache(self, value) -> None:
+        self.__dict__["_bound_kv_cache"] = value
+        self.__dict__["replay_ring"] = None
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if not self.ring_plan.serves or spec is None:
+            return spec
+        return ring_spec(spec, self.ring_plan)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().bind_kv_cache(kv_cache)
+        if not self.ring_plan.serves:
+            return
+        g = self.ring_plan.geometry
+        pages = kv_cache.squeeze(dim=(1, 2))
+        offset = sum(prod(s) * t.element_size() for s, t in zip(self.get_state_shape(), self.kv_cache))
+        views = []
+        for shape, dtype in zip(g.shapes, g.dtypes):
+            nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
+            views.append(pages[:, offset:offset + nbytes].view(dtype).view(-1, *shape))
+            offset += nbytes
+        ring = RingBuffers(*views, cursor=self._cursor_for(pages))
+        config = STATE.config
+        if config.shadow:  # testing aid: exact states beside the ring, in the CPU kernels' view
+            ring.shadow = _cpu_kv_view(self).clone()
+        if config.poison:  # testing aid: garbage in every ring nobody started yet
+            shadow.poison_rings(ring, STATE.stats)
+        self.replay_ring = ring
+        self.ring_ops.compile_ahead(self.ring_state(), ring, bool(self.ring_plan.spec_tokens))
+
+    def _cursor_for(self, pages: torch.Tensor) -> torch.Tensor:
+        """The slots' cursor words. A rebind that still fits (vLLM 0.34's extensible cache binds
+        its capacity, captures the CUDA graphs, then rebinds fewer blocks at the same addresses)
+        keeps a prefix of the same tensor, whose address those graphs hold; a larger or moved
+        cache gets a new, empty one."""
+        slots = pages.shape[0]
+        cursor = self.__dict__.get("_ring_cursor")
+        if cursor is None or cursor.device != pages.device or cursor.numel() < slots:
+            cursor = torch.zeros(slots, dtype=torch.int32, device=pages.device)
+            self.__dict__["_ring_cursor"] = cursor
+        return cursor[:slots]
+
+    def get_attn_backend(self):
+        return ReplayGDNAttentionBackend if self.ring_plan.serves else super().get_attn_backend()
+
+    # -- forward ----------------------------------------------------------------------------
+    def ring_metadata(self) -> ReplayGDNAttentionMetadata | None:
+        """This step's ring metadata, or None where vLLM's own path must run unchanged."""
+        if self.replay_ring is None:
+            return None
+        md = get_forward_context().attn_metadata
+        md = md.get(self.prefix) if isinstance(md, dict) else None
+        if not isinstance(md, ReplayGDNAttentionMetadata) or md.ring_force_flush is None:
+            return None
+        return md
+
+    def ring_state(self) -> torch.Tensor:
+        """The checkpoint as [slot, HV, V, K] (h[v, k]), as the ring kernels index it."""
+        return self.kv_cache[1]
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        md = self.ring_metadata()
+        native = super()._forward_core
+        if md is None:
+            return native(mixed_qkv, b, a, core_attn_out)
+        if mixed_qkv.is_cuda and spec_verify_step.applies(md):
+            return spec_verify_step.verify_step(self, md, mixed_qkv, b, a, core_attn_out, vllm_gdn)
+        return run_with_ring(self, md, self.ring_state(), lambda: native(mixed_qkv, b, a, core_attn_out))
+
+
+def run_with_ring(layer: ReplayQwenGDN, md, state_for_kernels, native_call):
+    """Run vLLM's GDN core for `layer` with its decode rows on the ring.
+
+    With MTP, the non-spec rows' slots first commit the verify window a previous step left there
+    (the spec rows' verify commits its own). Prefill rows read and write the checkpoint directly:
+    the rings they carry are flushed first, and emptied after the prefill wrote a fresh state.
+    """
+    ring, ops, plan = layer.replay_ring, layer.ring_ops, layer.ring_plan
+    if md.ring_commit_slots is not None:
+        ops.commit(ring, md.ring_commit_slots, md.ring_commit_accepted)
+    if md.ring_prefill_flush_slots is not None:
+        ops.materialize(state_for_kernels, ring, md.ring_prefill_flush_slots)
+    call = RingCall(layer.kv_cache[1], ring, ops, md.ring_force_flush, md.ring_start_empty, layer.head_k_dim ** -0.5,
+                    plan.spec_window, native_decode=not md.ring_decode,
+                    flashinfer_verify=spec_verify_step.flashinfer_serves(plan, md))
+    with ring_call(call):
+        result = native_call()
+    if md.ring_prefill_slots is not None:
+        ops.reset(ring, md.ring_prefill_slots)
+        if ring.shadow is not None:
+            shadow.sync_slots(ring, _cpu_kv_view(layer), md.ring_prefill_slots)
+    return result
+
+
+def _cpu_kv_view(layer) -> torch.Tensor:
+    """The SSM state as vLLM's CPU kernels see it: [slot, HV, K, V]."""
+    s = layer.kv_cache[1]
+    n, hv, v, k = s.shape
+    return s.view(n, hv, k, v)
+
+
+def cpu_state_view(layer) -> torch.Tensor:
+    """vLLM's CPU GDN kernels read each head as [K][V]; as [V, K] that is the transpose."""
+    return _cpu_kv_view(layer).transpose(-1, -2)

@@ -1,0 +1,45 @@
+"""Patch point: on CUDA, a step whose rows are all MTP verify rows (every request decoding) makes
+vLLM's two calls itself, conv update then the ring's verify, without vLLM's unfused Python
+around them (the q/k/v split and `cat` the wrapper would undo with another `cat`, the argument
+binding, the final copy), which cost the host more than the GPU work it wrapped at large batches
+(benchmarks/results/verify_step_2026-12-04/). The conv call is vLLM's own `_forward_core` call for
+such a step, argument for argument; its probe checks that vLLM still makes it so."""
+
+from __future__ import annotations
+
+
+def applies(md) -> bool:
+    """A step of verify rows alone, with the accepted counts its verify commits by."""
+    return (md.spec_sequence_masks is not None and md.num_prefills == 0 and md.num_decodes == 0
+            and md.num_accepted_tokens is not None)
+
+
+def verify_step(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
+    """vLLM's conv update, then the ring's verify on its output, written into `core_attn_out`.
+    `gdn`: vLLM's GDN layer module, whose conv op and conv-state layout its `_forward_core` uses."""
+    n, rows = md.num_actual_tokens, md.num_spec_decodes
+    idx = md.spec_state_indices_tensor
+    conv_state = layer.kv_cache[0] if gdn.is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
+    weight = layer.conv1d.weight
+    x = gdn.causal_conv1d_update(
+        mixed_qkv[:n], conv_state, weight.view(weight.size(0), weight.size(2)), layer.conv1d.bias,
+        layer.activation, conv_state_indices=idx[:, 0][:rows], num_accepted_tokens=md.num_accepted_tokens,
+        query_start_loc=md.spec_query_start_loc, max_query_len=idx.size(-1), validate_data=False)
+    plan = layer.ring_plan
+    layer.ring_ops.verify(x, a[:n], b[:n], layer.A_log, layer.dt_bias, layer.head_k_dim ** -0.5, layer.kv_cache[1],
+                          core_attn_out[:n], idx[:rows, 0], md.spec_query_start_loc[:rows + 1], layer.replay_ring,
+                          md.num_accepted_tokens, plan.spec_window, flashinfer=flashinfer_serves(plan, md))
+
+
+def flashinfer_serves(plan, md) -> bool:
+    """FlashInfer's verify kernel serves this step: the plan chose it and every verify row has
+    exactly the plan's window (else ours runs, on the same rings)."""
+    return plan.verify_kernel == "flashinfer" and _uniform_windows(md, plan.spec_window)
+
+
+def _uniform_windows(md, window: int) -> bool:
+    """Whether every verify row of this step has exactly `window` tokens (host metadata: vLLM
+    >= 0.33 records it, 0.32 has the token and row counts)."""
+    if hasattr(md, "uniform_spec_sequence_length"):
+        return md.uniform_spec_sequence_length == window
+    return bool(md.num_spec_decodes) and md.num_spec_decode_tokens == md.num_spec_decodes * window
