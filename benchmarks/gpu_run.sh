@@ -34,6 +34,16 @@
 #     host probes, no profiler (ARGS go to both runs), to $OUT/e2e_control.json, $OUT/e2e_fp32.json
 #     + their engines' logs (gzipped)
 #
+#   bash benchmarks/gpu_run.sh capacity [ARGS] # issue #46 (needs install): benchmarks/capacity.py, capacity and
+#     throughput under memory pressure, native vs ring engine in one process at --gpu-util 0.45 each, 9B shape,
+#     fp32 SSM state, MTP T=3 then T=7 (prefix caching off, echo weights: drafts agree at 0.8 per position),
+#     offered loads 1x and 2x the native engine's maximum concurrency, 3 pairs (AB, BA, AB) per load, then
+#     --merge + --plot; ARGS go to both runs. To $OUT/capacity_t{3,7}.json (or their .partial where a run was
+#     cut off), capacity.json + capacity.png (merged) and the engines' logs (gzipped). About 18-20 minutes on
+#     an H100: 4 engine starts of 3-4 min (compile + CUDA graphs) and ~1-2 min of measurement per T; longer
+#     than one 10-minute command, so start it with `bg` and collect it with `jobs`:
+#       bash benchmarks/gpu_run.sh bg cap 0 capacity; bash benchmarks/gpu_run.sh jobs 580   # (jobs again until done)
+#
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
 #     control at max_num_seqs 8, per-rank ring checks), then e2e_decode.py --tp 2 at batch 64 and
@@ -152,6 +162,18 @@ case "${1:?step}" in
       python3 examples/grpo_rollout.py --sleep-level $level --graphs --poison --rounds 3 \
         --out "$OUT/grpo_sleep$level.json" 2>&1 | tail -20 || rc=1
     done
+    exit $rc ;;
+  capacity)  # issue #46 (see the header)
+    shift; rc=0; runs=()
+    for T in 3 7; do
+      f="$OUT/capacity_t$T.json"
+      python3 benchmarks/capacity.py --shape 9b --state-dtype float32 --mtp "$T" --offered 1,2 --pairs 3 \
+        --out "$f" --workdir /tmp/capacity "$@" 2>&1 | tail -40 || rc=1
+      gzip -c /tmp/capacity/engines.log > "$OUT/capacity_engines_t$T.log.gz" 2>/dev/null || true
+      if [ -f "$f" ]; then rm -f "$f.partial"; runs+=("$f"); elif [ -f "$f.partial" ]; then runs+=("$f.partial"); fi
+    done
+    [ ${#runs[@]} -gt 0 ] && { python3 benchmarks/capacity.py --merge "${runs[@]}" --out "$OUT/capacity.json" \
+      --plot "$OUT/capacity.png" 2>&1 | tail -40 || rc=1; }
     exit $rc ;;
   tp2)
     rc=0

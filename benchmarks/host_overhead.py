@@ -242,17 +242,17 @@ def _time(call, args) -> float:
 
 
 def verify_step_times(args):
-    from replayssm_patch import intercept, kernels
     from replayssm_patch.testing import spec_step
+    from replayssm_patch.vllm import spec_verify_step
 
-    if not args.cuda:
-        kernels.spec_verify = lambda *a, **kw: None  # both paths call it through the module
     conv = spec_step.ConvStandIn(dim_first=False, identity=True)
-    arms = {"wrapper_path": spec_step.via_wrapper, "verify_step": intercept.verify_step}
+    arms = {"wrapper_path": spec_step.via_wrapper, "verify_step": spec_verify_step.verify_step}
     floor = floor_calls() if args.floor else {}  # compiled once, timed beside every row count
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         layer, md, inputs = spec_step.make_step(0, rows=rows, slots=rows + 1, device="cuda" if args.cuda else "cpu")
+        if not args.cuda:  # both paths call the verify through the layer's ring ops: stubbed on CPU
+            layer.ring_ops.verify = lambda *a, **kw: None
         out = torch.zeros(inputs["mixed_qkv"].shape[0], spec_step.HV, spec_step.V, device=inputs["a"].device)
         calls = {name: functools.partial(fn, layer, md, **inputs, core_attn_out=out, gdn=conv)
                  for name, fn in arms.items()}

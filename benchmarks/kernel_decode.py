@@ -564,10 +564,9 @@ def finalize(rows, meta):
 
 
 def per_dtype_summary(rows):
-    """Minima by state width (fp32 / 16-bit), over the cells where the end-to-end dispatch
-    (replayssm_patch.dispatch.AUTO_MIN_BATCH) sends decode through the ring, and the same-run
-    ratios to the baseline kernels and to FlashInfer where those arms ran."""
-    from replayssm_patch.dispatch import AUTO_MIN_BATCH
+    """Minima by state width (fp32 / 16-bit), and the same-run ratios to the baseline kernels and
+    to FlashInfer where those arms ran. (Where plain decode takes the ring is the plan's rule, on
+    the whole step: replayssm_patch/payoff.py, fed with these kernel times.)"""
 
     def lo(sel, key):
         vals = [r[key] for r in rows if sel(r)]
@@ -576,17 +575,11 @@ def per_dtype_summary(rows):
     def wide(r):
         return r["state_dtype"] == "fp32"
 
-    def dispatched(r):  # a None threshold: plain decode stays native at every batch
-        min_batch = AUTO_MIN_BATCH[("cuda", not wide(r))]
-        return min_batch is not None and r["batch"] >= min_batch
-
     out = {
         "min_roofline_fraction_b64plus_fp32": lo(lambda r: wide(r) and r["batch"] >= 64, "roofline_fraction"),
         "min_roofline_fraction_b64plus_16bit": lo(lambda r: not wide(r) and r["batch"] >= 64, "roofline_fraction"),
         "min_speedup_b512_fp32": lo(lambda r: wide(r) and r["batch"] == 512, "speedup"),
         "min_speedup_b512_16bit": lo(lambda r: not wide(r) and r["batch"] == 512, "speedup"),
-        "min_speedup_where_dispatched": lo(dispatched, "speedup"),
-        "dispatch_min_batch": {"fp32": AUTO_MIN_BATCH[("cuda", False)], "16bit": AUTO_MIN_BATCH[("cuda", True)]},
     }
     fi = [r for r in rows if "flashinfer_us" in r]
     if fi:  # where FlashInfer's native decode would beat ours, it could be a backend
@@ -684,7 +677,7 @@ def render_md(res):
         "",
         "By state width: " + ", ".join(f"{k} = {s.get(k)}" for k in (
             "min_roofline_fraction_b64plus_fp32", "min_roofline_fraction_b64plus_16bit", "min_speedup_b512_fp32",
-            "min_speedup_b512_16bit", "min_speedup_where_dispatched")) + f" (dispatch: {s.get('dispatch_min_batch')}).",
+            "min_speedup_b512_16bit")) + ".",
         "",
     ]
     if "vs_baseline_median" in s:

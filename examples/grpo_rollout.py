@@ -55,7 +55,7 @@ import subprocess
 import sys
 import time
 
-ENV_POISON = "VLLM_GDN_REPLAYSSM_POISON_UNUSED"  # replayssm_patch.shadow.ENV_POISON
+ENV_POISON = "VLLM_GDN_REPLAYSSM_POISON_UNUSED"  # ReplayConfig.poison (a testing aid)
 CHECKPOINTS = ("decisive", "plain")
 MIN_IDENTICAL = 0.9  # the integration criterion's share of fully identical samples per round
 LOGPROB_TOL = 0.01  # ... and its tolerance on each sampled token's logprob before a divergence

@@ -139,7 +139,11 @@ def vllm_main(argv: list[str] | None = None) -> int:
     from replayssm_patch.testing.agreement import compare
     from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model
 
-    p = argparse.ArgumentParser(description="native vs patched vLLM on a small random-weight Qwen3.5 model")
+    p = argparse.ArgumentParser(
+        description="native vs patched vLLM on a small random-weight Qwen3.5 model. The patched arm "
+                    "serves plain decode through the ring at every batch (min_batch=1): on CPU the default "
+                    "keeps it native, since the CPU ring's step is vLLM's kernel plus the replay.",
+        epilog="python -m replayssm_patch.demo --math [--help]: the reference math alone (no vLLM)")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--ring", type=int, default=16)
@@ -162,8 +166,6 @@ def vllm_main(argv: list[str] | None = None) -> int:
         engines = [{"name": "demo", "engine": engine, "prompts": prompts, "max_tokens": [a.tokens] * a.requests}]
         if arm == "native":  # the same engine with another batch size: vLLM's own batch variance
             engines.append(dict(engines[0], name="control", engine=dict(engine, max_num_seqs=1)))
-        # min_batch=1: plain decode through the ring at every batch size (on CPU the default,
-        # "auto", keeps plain decode native: the CPU ring is vLLM's kernel plus the replay)
         spec = {"model": model, "patched": arm == "patched", "ring_len": a.ring, "min_batch": 1, "engines": engines}
         fd, path = tempfile.mkstemp(suffix=".json", dir=a.workdir)
         with os.fdopen(fd, "w") as f:
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--math" in argv:
         return math_main([x for x in argv if x != "--math"])
+    if argv[:1] != ["--help"] and argv[:1] != ["-h"]:
+        print("replayssm_patch.demo: the patched arm takes plain decode through the ring at every batch "
+              "(min_batch=1); --help for the options, --math for the reference math alone", flush=True)
     return vllm_main(argv)
 
 

@@ -253,18 +253,14 @@ def test_kernel_summary_by_state_width_dispatch_and_baseline(tmp_path):
     mod = _load("kernel_decode")
     rows = [
         _kernel_row("qwen3-next", "fp32", 1, 10.0, 8.0, 8.1),
-        _kernel_row("qwen3-next", "fp32", 8, 10.0, 11.0),  # fp32 plain decode stays native by default
+        _kernel_row("qwen3-next", "fp32", 8, 10.0, 11.0),
         _kernel_row("qwen3-next", "fp32", 512, 300.0, 200.0, 198.0),
-        _kernel_row("qwen3-next", "bf16", 64, 50.0, 55.0, 55.0),   # below the 16-bit dispatch threshold
+        _kernel_row("qwen3-next", "bf16", 64, 50.0, 55.0, 55.0),
         _kernel_row("qwen3-next", "bf16", 256, 90.0, 80.0, 84.0),
         _kernel_row("qwen3-next", "bf16", 512, 200.0, 160.0, 161.0),
     ]
     s = mod.per_dtype_summary(rows)
     assert s["min_speedup_b512_fp32"] == 1.5 and s["min_speedup_b512_16bit"] == 1.25
-    # neither bf16 at batch 64 (below the 16-bit threshold) nor any fp32 row is dispatched to the
-    # ring: their 0.91 does not count
-    assert s["min_speedup_where_dispatched"] == 1.125
-    assert s["dispatch_min_batch"] == {"fp32": None, "16bit": 256}
     assert s["vs_baseline_cells"] == 5 and s["vs_baseline_max"] == 1.05 and s["vs_baseline_min"] == 0.99
     assert s["vs_baseline_median"] == 1.0063  # of 1.0125, 0.99, 1.0, 1.05, 1.0063
     import argparse
@@ -451,3 +447,213 @@ def test_e2e_two_engines_on_vllm_cpu(tmp_path):
     assert res["table"]["3"]["patched_host_in_step_ms"] > 0
     assert json.load(open(str(out) + ".partial"))["pairs"].keys() == {"2", "3"}
     assert "batch 3 pair 1 (BA)" in p.stdout
+
+
+# --- benchmarks/capacity.py and replayssm_patch/testing/echo_weights.py ---------------------------
+
+
+def _cap_measure(tok_s, running, spec=None):
+    return {"tok_s": tok_s, "tpot_ms_mean": 1e3 / tok_s, "tpot_ms_median": 1e3 / tok_s, "running_max": running,
+            "running_mean": running / 2, "waiting_max": 0, "preemptions": 0, "host_probe_ms": 1.0,
+            "spec": spec or {}}
+
+
+def _cap_result(mtp=3, state_dtype="float32", shape="9b", used=(30.0, 30.2), caps=(60.0, 142.0)):
+    """What capacity.engines() writes: native capacity 60, loads 30 / 60 / 120 requests (3 pairs
+    each), the ring 1.5x native's tokens/s at 120; every measurement accepts 2 of 3 drafts at
+    position 1, 1 at position 2, none at 3."""
+    spec = {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 3, "num_accepted_tokens_per_pos": [2, 1, 0]}
+    pairs = {}
+    for n, ring_x in ((30, [1.0, 0.9, 1.1]), (60, [1.2, 1.0, 1.1]), (120, [1.5, 1.4, 1.7])):
+        pairs[str(n)] = [{"order": "AB" if i % 2 == 0 else "BA", "native": _cap_measure(100.0, min(n, 60), spec),
+                          "ring": _cap_measure(100.0 * x, n, spec)} for i, x in enumerate(ring_x)]
+    cfg = {"shape": shape, "mtp": mtp, "state_dtype": state_dtype, "moe_layers": 40, "moe_experts": 256,
+           "prefix_caching": not mtp, "echo_acceptance": 0.8 if mtp else None}
+    engines = {name: {"max_concurrency": cap, "kv_cache_tokens": int(cap * 400), "gpu_used_by_engine_gib": u,
+                      "gpu_budget_gib": 30.0} for name, cap, u in zip(("native", "ring"), caps, used)}
+    return {"config": cfg, "engines": engines, "pairs": pairs, "gpu": "H100", "versions": {"vllm": "0.33.0"},
+            "gpu_used_by_both_end_gib": sum(used)}
+
+
+def test_capacity_summary_pairs_budget_and_acceptance():
+    """Median pair ratio with min / max per load; the summary's throughput ratio at the largest load
+    of at least 2x native's capacity; capacity from the engines' logs; the memory budget within
+    0.25 GiB; acceptance per position over every measurement, equal in both arms."""
+    mod = _load("capacity")
+    res = _cap_result()
+    out = mod.finish(res["config"], res)
+    row = out["table"][120]
+    assert row["pair_ratios"] == [1.5, 1.4, 1.7] and row["throughput_ratio"] == 1.5 and row["pair_orders"] == "ABA"
+    assert row["throughput_ratio_min"] == 1.4 and row["x_native"] == 2.0 and row["ring_running_max"] == 120
+    s = out["summary"]
+    assert s["config"] == "9b_fp32_t3" and s["capacity_ratio_t3"] == pytest.approx(142 / 60)
+    assert s["throughput_ratio_t3"] == 1.5 and s["throughput_ratio_t3_at"] == {
+        "requests": 120, "x_native": 2.0, "at_least_2x_native": True}
+    assert s["throughput_ratio_t3_n60"] == 1.1 and s["pairs"] == 3
+    assert s["acceptance_native"] == s["acceptance_ring"] == pytest.approx(1 / 3)
+    assert s["acceptance_per_position_ring"] == pytest.approx([2 / 3, 1 / 3, 0.0]) and s["acceptance_equal"]
+    assert s["within_budget"] is True and s["gpu"] == "H100" and s["vllm"] == "0.33.0"
+    over = _cap_result(used=(30.0, 30.3))  # 0.3 GiB over the ring engine's budget
+    assert mod.finish(over["config"], over)["summary"]["within_budget"] is False
+    res["pairs"]["30"][0]["ring"]["spec"] = dict(res["pairs"]["30"][0]["ring"]["spec"],
+                                                 num_accepted_tokens_per_pos=[3, 1, 0], num_accepted_tokens=4)
+    assert mod.finish(res["config"], res)["summary"]["acceptance_equal"] is False
+    plain = _cap_result(mtp=0, caps=(60.0, 51.0))
+    s = mod.finish(plain["config"], plain)["summary"]
+    assert s["capacity_ratio_stp"] == 0.85 and "throughput_ratio_stp" in s and s["prefix_caching"]
+
+
+def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
+    """Runs of different T keep their keys, tagged by T; two runs of one T are told apart by shape
+    and state dtype; a cut-off partial and its continuation (same configuration) are joined per
+    load; the plot has one panel per configuration."""
+    mod = _load("capacity")
+    t3, t7, bf = _cap_result(), _cap_result(mtp=7, caps=(40.0, 150.0)), _cap_result(state_dtype="bfloat16")
+    part = _cap_result()
+    part["pairs"] = {"120": part["pairs"]["120"][:1]}
+    paths = []
+    for name, data in (("t3.json.partial", part), ("t3b.json", t3), ("t7.json", t7), ("bf.json", bf)):
+        (tmp_path / name).write_text(json.dumps(data))
+        paths.append(str(tmp_path / name))
+    merged = mod.merge(paths)
+    s = merged["summary"]
+    assert s["configs"] == ["9b_fp32_t3", "9b_fp32_t7", "9b_bf16_t3"]
+    assert s["capacity_ratio_t7"] == pytest.approx(150 / 40) and s["acceptance_native_t7"] == pytest.approx(1 / 3)
+    assert s["capacity_ratio_t3_9b_fp32"] == s["capacity_ratio_t3_9b_bf16"] == pytest.approx(142 / 60)
+    assert "capacity_ratio_t3" not in s and s["within_budget"] is True and s["gpu"] == "H100"
+    assert merged["runs"]["9b_fp32_t3"]["table"][120]["pair_ratios"] == [1.5, 1.5, 1.4, 1.7]
+    assert len(merged["runs"]["9b_fp32_t3"]["merged_from"]) == 2
+    png = tmp_path / "cap.png"
+    mod.plot(list(merged["runs"].values()), str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_capacity_moe_shape_and_options():
+    """The MoE shape (Qwen3.5-35B-A3B-like, scaled down by --moe-layers / --moe-experts); prefix
+    caching off with MTP; echo weights only with MTP."""
+    import argparse
+
+    mod = _load("capacity")
+    args = argparse.Namespace(shape="moe", mtp=3, moe_layers=20, moe_experts=64, no_prefix_caching=False,
+                              echo_acceptance="0.8")
+    cfg = mod.model_config(args)
+    assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and cfg["hidden_size"] == 2048
+    assert cfg["layer_types"].count("linear_attention") == 15 and cfg["layer_types"][3] == "full_attention"
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (64, 8, 512)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (16, 2, 256)
+    assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]) == (16, 32) and cfg["mtp_num_hidden_layers"] == 1
+    assert "intermediate_size" not in cfg and mod.prefix_caching(args) is False and mod.echo_acceptance(args) == 0.8
+    args.mtp = 0
+    assert mod.prefix_caching(args) is True and mod.echo_acceptance(args) is None
+    args.no_prefix_caching = True
+    assert mod.prefix_caching(args) is False
+
+
+def test_capacity_echo_maps_agree_at_the_rate_asked():
+    """echo_maps: pi a permutation; tau fixes round(acceptance * vocab) tokens and moves every other
+    token (a disagreeing draft is never right by accident); deterministic from the seed."""
+    from replayssm_patch.testing.echo_weights import echo_maps, expected_acceptance
+
+    pi, tau = echo_maps(1000, 0.7, seed=3)
+    assert sorted(pi.tolist()) == list(range(1000))
+    same = tau == __import__("torch").arange(1000)
+    assert int(same.sum()) == 700 and all(0 <= t < 1000 for t in tau.tolist())
+    assert all((pi[tau[~same]] != pi[~same]).tolist())
+    pi2, tau2 = echo_maps(1000, 0.7, seed=3)
+    assert pi2.tolist() == pi.tolist() and tau2.tolist() == tau.tolist()
+    assert expected_acceptance(0.5, 3) == [0.5, 0.25, 0.125]
+
+
+@pytest.fixture(scope="module")
+def capacity_cpu_run(tmp_path_factory):
+    """benchmarks/capacity.py on vllm-cpu: tiny shape, MTP T=3, loads of 3 and 6 requests, one
+    pair each, native then ring engine in one process, echo weights at 0.8."""
+    import subprocess
+    import sys
+
+    from replayssm_patch.testing import cache_dir, require_vllm
+
+    require_vllm()
+    tmp = tmp_path_factory.mktemp("capacity")
+    out = tmp / "cap.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
+    env.pop("VLLM_GDN_REPLAYSSM", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "capacity.py"), "--shape", "tiny", "--mtp", "3",
+                        "--requests", "3,6", "--pairs", "1", "--in-len", "16", "--out-len", "24", "--max-num-seqs", "8",
+                        "--workdir", str(tmp / "w"), "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return tmp, out, p.stdout
+
+
+@pytest.mark.vllm
+def test_capacity_two_engines_on_vllm_cpu(capacity_cpu_run):
+    """The ring engine holds more requests than native in the same KV-cache space (one GDN state
+    slot per request instead of 1+T); both arms generate the same tokens and accept the same drafts;
+    the running-requests gauge follows each engine; the partial has every finished pair."""
+    tmp, out, stdout = capacity_cpu_run
+    res = json.load(open(out))
+    s = res["summary"]
+    assert s["same_tokens"]
+    assert s["config"] == "tiny_fp32_t3" and s["capacity_ratio_t3"] > 1 and s["prefix_caching"] is False
+    assert s["max_concurrency_ring"] > s["max_concurrency_native"] and s["kv_cache_tokens_ring"] > 0
+    assert s["throughput_ratio_t3"] > 0 and s["throughput_ratio_t3_at"]["requests"] == 6
+    assert s["acceptance_equal"] and s["acceptance_native"] == s["acceptance_ring"] > 0.3
+    assert len(s["acceptance_per_position_ring"]) == 3 and s["within_budget"] is None and s["vllm"]
+    for n in ("3", "6"):
+        pair = res["pairs"][n][0]
+        for arm in ("native", "ring"):
+            m = pair[arm]
+            assert m["output_tokens"] == int(n) * 24 and m["tok_s"] > 0 and m["tpot_source"] == "vllm_metrics"
+            assert m["running_max"] == int(n) and m["series"]["running"] and m["spec"]["num_drafts"] > 0
+    logs = {arm: "\n".join(res["engines"][arm]["engine_cache_log"]) for arm in ("native", "ring")}
+    assert "decode through the ring" in logs["ring"] and "decode through the ring" not in logs["native"]
+    assert res["engines"]["ring"]["ring_counters"]["verify_calls"] > 0
+    assert res["engines"]["native"]["echo_weights"][0]["agreeing_tokens"] == round(0.8 * 1024)
+    assert json.load(open(str(out) + ".partial"))["pairs"].keys() == {"3", "6"}
+    assert "[capacity] load 6 pair 0 (AB)" in stdout
+
+
+@pytest.mark.vllm
+def test_capacity_merge_and_plot_on_vllm_cpu_run(capacity_cpu_run):
+    """--merge of the CPU run and a copy standing for a T=7 run: one JSON with both runs' keys and
+    a PNG."""
+    import subprocess
+    import sys
+
+    tmp, out, _ = capacity_cpu_run
+    t7 = json.load(open(out))
+    t7["config"]["mtp"] = 7
+    (tmp / "t7.json").write_text(json.dumps(t7))
+    merged, png = tmp / "merged.json", tmp / "cap.png"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "capacity.py"), "--merge", str(out),
+                    str(tmp / "t7.json"), "--out", str(merged), "--plot", str(png)], check=True, timeout=120)
+    s = json.load(open(merged))["summary"]
+    assert s["configs"] == ["tiny_fp32_t3", "tiny_fp32_t7"]
+    for key in ("capacity_ratio_t3", "capacity_ratio_t7", "throughput_ratio_t3", "throughput_ratio_t7",
+                "acceptance_native_t3", "acceptance_ring_t7"):
+        assert s[key] > 0, key
+    assert s["within_budget"] is None and s["vllm"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.vllm
+def test_capacity_echo_weights_on_vllm_cpu(capacity_cpu_run):
+    """The CPU run's engines are tiny dummy-weight engines edited by echo_weights at 0.8 (unedited,
+    the same engine accepted 0 of 378 drafts, 2026-12-05): the greedy tokens follow the echo
+    permutation, and the acceptance per draft position comes near 0.8 ** k (measured 0.75 / 0.66 /
+    0.46, mean 0.62, over these 9 requests x 24 tokens; 0.81 / 0.66 / 0.55 over 8 x 64)."""
+    from replayssm_patch.testing.echo_weights import echo_maps
+
+    _, out, _ = capacity_cpu_run
+    res = json.load(open(out))
+    pi, _ = echo_maps(1024, 0.8, 0)
+    for pairs in res["pairs"].values():
+        for arm in ("native", "ring"):
+            seq = pairs[0][arm]["first_request_tokens"]
+            assert len(seq) == 25 and all(int(pi[x]) == y for x, y in zip(seq, seq[1:])), seq
+    s = res["summary"]
+    for k, rate in enumerate(s["acceptance_per_position_native"], start=1):
+        assert abs(rate - 0.8 ** k) < 0.12, s["acceptance_per_position_native"]
+    assert 0.5 < s["acceptance_native"] < 0.8

@@ -94,5 +94,78 @@ def test_the_graph_sees_known_edges():
     modules = _modules()
     assert f"{PKG}._vendored.decode_fused" in _imports(f"{PKG}._vendored.decode", modules[f"{PKG}._vendored.decode"],
                                                         modules)[0]
-    kernels = _imports(f"{PKG}.kernels", modules[f"{PKG}.kernels"], modules)[0]
-    assert {f"{PKG}._vendored", f"{PKG}._vendored.decode", f"{PKG}.cpu_ring"} <= kernels
+    runtime = _imports(f"{PKG}.ring.runtime", modules[f"{PKG}.ring.runtime"], modules)[0]
+    assert {f"{PKG}._vendored", f"{PKG}._vendored.ring_reference", f"{PKG}.ring.cpu"} <= runtime
+
+
+MAX_DEPTH = 7
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {m: _imports(m, p, modules)[0] for m, p in modules.items()}
+    return {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+
+
+def _longest_chain(graph) -> list[str]:
+    memo: dict[str, list[str]] = {}
+
+    def chain(m):
+        if m not in memo:
+            memo[m] = [m]  # no cycles (test_no_import_cycles)
+            memo[m] = [m] + max((chain(t) for t in graph[m]), key=len, default=[])
+        return memo[m]
+
+    return max((chain(m) for m in graph), key=len)
+
+
+def test_import_graph_depth():
+    """The longest chain of imports inside the package (imports in functions counted; the patch
+    table names its replacements as strings, resolved when installed) is at most MAX_DEPTH modules."""
+    chain = _longest_chain(_graph())
+    assert len(chain) <= MAX_DEPTH, " -> ".join(chain)
+
+
+def _mutable_module_state(path: str) -> list[str]:
+    """Module-level bindings of mutable containers to lower-case names, and `global` statements."""
+    tree = ast.parse(open(path).read())
+    found = []
+    mutable_calls = {"dict", "list", "set", "Counter", "defaultdict", "deque", "OrderedDict"}
+    for node in tree.body:
+        targets, value = [], None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        for t in targets:
+            if not isinstance(t, ast.Name) or t.id.isupper() or t.id.startswith("__"):
+                continue
+            call = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None
+            if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) \
+                    or call in mutable_calls:
+                found.append(f"{t.id} (line {node.lineno})")
+    found += [f"global {', '.join(n.names)} (line {n.lineno})" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    return found
+
+
+def test_no_mutable_module_state_outside_the_state_object():
+    """What the patch holds lives in replayssm_patch.state.STATE; no module keeps its own."""
+    bad = {name: found for name, path in _modules().items() if (found := _mutable_module_state(path))}
+    assert not bad, bad
+    state = open(os.path.join(ROOT, PKG, "state.py")).read()
+    assert "STATE = PatchState()" in state  # the one instance (an upper-case name, by design)
+
+
+def test_no_measured_figures_in_the_package_source():
+    """Measurements live in results files: the source states rules and links those files (whose
+    dated folder names are links, not figures)."""
+    import re
+
+    figure = re.compile(r"\b\d+(\.\d+)?x\b|(?<!results/)(?<![\w/-])20\d\d-\d\d-\d\d")
+    hits = []
+    for name, path in _modules().items():
+        for i, line in enumerate(open(path), 1):
+            text = re.sub(r"benchmarks/results/[\w./-]+", "", line)
+            if figure.search(text):
+                hits.append(f"{name}:{i}: {line.strip()}")
+    assert not hits, "\n".join(hits)

@@ -16,7 +16,7 @@ import torch
 
 from test_ring_verify_interpret import _run_spec
 
-from replayssm_patch import cpu_ring
+from replayssm_patch.ring import cpu as cpu_ring
 
 CASES = {
     # W up to 4 on an 8-entry ring, two value heads per key head

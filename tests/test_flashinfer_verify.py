@@ -9,7 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replayssm_patch import flashinfer_verify, intercept, kernels
+from collections import Counter
+
+from replayssm_patch.ring import call
+from replayssm_patch.ring import flashinfer as flashinfer_verify
+from replayssm_patch.ring.runtime import CpuRingOps
 
 BF16 = torch.bfloat16
 
@@ -25,25 +29,25 @@ def test_why_not_names_what_it_cannot_serve(args, why):
     assert why in flashinfer_verify.why_not(*args)
 
 
-def test_spec_verify_refuses_flashinfer_off_cuda_before_counting():
-    before = dict(kernels.counters)
+def test_the_cpu_verify_refuses_flashinfer_before_counting():
+    stats = Counter()
     ring = SimpleNamespace(d=torch.zeros(3, 4, 32, 128, dtype=BF16), k=torch.zeros(3, 2, 32, 128, dtype=BF16),
                            g=torch.zeros(3, 4, 32), cursor=torch.zeros(3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="FlashInfer's verify needs CUDA tensors"):
-        kernels.spec_verify(torch.zeros(8, 2 * 2 * 128 + 4 * 128, dtype=BF16), torch.zeros(8, 4, dtype=BF16),
-                            torch.zeros(8, 4, dtype=BF16), torch.zeros(4), torch.zeros(4), 128 ** -0.5,
-                            torch.zeros(3, 4, 128, 128, dtype=BF16), torch.empty(8, 4, 128, dtype=BF16),
-                            torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32),
-                            ring, torch.ones(2, dtype=torch.int32), 4, flashinfer=True)
-    assert kernels.counters.get("verify_flashinfer_calls", 0) == before.get("verify_flashinfer_calls", 0)
+    with pytest.raises(ValueError, match="FlashInfer's verify kernel runs on CUDA only"):
+        CpuRingOps(stats).verify(torch.zeros(8, 2 * 2 * 128 + 4 * 128, dtype=BF16), torch.zeros(8, 4, dtype=BF16),
+                                     torch.zeros(8, 4, dtype=BF16), torch.zeros(4), torch.zeros(4), 128 ** -0.5,
+                                 torch.zeros(3, 4, 128, 128, dtype=BF16), torch.empty(8, 4, 128, dtype=BF16),
+                                 torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32),
+                                 ring, torch.ones(2, dtype=torch.int32), 4, flashinfer=True)
+    assert not stats
 
 
 def test_uniform_windows_from_host_metadata():
     # vLLM >= 0.33 records the common length of the speculative rows (None when ragged)
-    assert intercept._uniform_windows(SimpleNamespace(uniform_spec_sequence_length=4), 4)
-    assert not intercept._uniform_windows(SimpleNamespace(uniform_spec_sequence_length=4), 8)
-    assert not intercept._uniform_windows(SimpleNamespace(uniform_spec_sequence_length=None), 4)
+    assert call._uniform_windows(SimpleNamespace(uniform_spec_sequence_length=4), 4)
+    assert not call._uniform_windows(SimpleNamespace(uniform_spec_sequence_length=4), 8)
+    assert not call._uniform_windows(SimpleNamespace(uniform_spec_sequence_length=None), 4)
     # vLLM 0.32: from the speculative rows' and tokens' counts
-    assert intercept._uniform_windows(SimpleNamespace(num_spec_decodes=3, num_spec_decode_tokens=12), 4)
-    assert not intercept._uniform_windows(SimpleNamespace(num_spec_decodes=3, num_spec_decode_tokens=11), 4)
-    assert not intercept._uniform_windows(SimpleNamespace(num_spec_decodes=0, num_spec_decode_tokens=0), 4)
+    assert call._uniform_windows(SimpleNamespace(num_spec_decodes=3, num_spec_decode_tokens=12), 4)
+    assert not call._uniform_windows(SimpleNamespace(num_spec_decodes=3, num_spec_decode_tokens=11), 4)
+    assert not call._uniform_windows(SimpleNamespace(num_spec_decodes=0, num_spec_decode_tokens=0), 4)

@@ -1,6 +1,6 @@
 """A step's per-row ring flags in one launch (`_vendored/ring_flags.py`, what the metadata builder
 runs on CUDA) under TRITON_INTERPRET=1 on the CPU, against the torch ops the builder runs on the
-CPU (`backend.fill_ring_flags` with CPU tensors), and a hand check of the formulas.
+CPU (`ring.runtime.CpuRingOps.fill_flags`), and a hand check of the formulas.
 
 Fresh random steps: decode rows (one token) and prefill chunks (several), some rows starting at
 zero computed tokens, sequence lengths at, before and after block boundaries, padding rows (no
@@ -24,7 +24,9 @@ def check_flags(seed, block_size, dtype_name="int32", strided=False, device="cpu
     import torch
 
     from replayssm_patch._vendored import ring_flags
-    from replayssm_patch.backend import fill_ring_flags
+    from collections import Counter
+
+    from replayssm_patch.ring.runtime import CpuRingOps
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
@@ -48,7 +50,7 @@ def check_flags(seed, block_size, dtype_name="int32", strided=False, device="cpu
     qsl_view, seq_view = qsl_buf[::step][:rows + 1], seq_buf[::step][:rows]
     want_force = torch.full((rows + spare,), 7, dtype=torch.int8)
     want_empty = torch.full((rows + spare,), 7, dtype=torch.int8)
-    fill_ring_flags(qsl_view, seq_view, want_force, want_empty, rows, block_size)  # the builder's CPU ops
+    CpuRingOps(Counter()).fill_flags(qsl_view, seq_view, want_force, want_empty, rows, block_size)  # the builder's CPU ops
     # the formulas by hand, for the rows the draw made sure of
     assert (want_empty[:rows][computed == 0] == 1).all() and (want_force[rows:] == 7).all()
     if block_size:

@@ -11,7 +11,7 @@ by position. Arms, each in its own process, on every model of MODELS:
 
 with chunked prefill (64-token chunks, so prefills share steps with decodes), a shared prompt
 prefix and prefix caching on. The CPU ring takes each step with vLLM's own CPU kernel from the
-replayed state (replayssm_patch.cpu_ring), so at ring length 1 it is bit-identical to native;
+replayed state (replayssm_patch.ring.cpu), so at ring length 1 it is bit-identical to native;
 at 16 what remains is the replay's own rounding, asserted to stay below vLLM's batch-size noise.
 The figures are printed, and written to $REPLAYSSM_TF_RESULTS when that is set
 (benchmarks/results/teacher_forced_cpu.json: a run of this test).

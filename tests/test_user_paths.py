@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replayssm_patch import model_hooks, options
+from replayssm_patch import config
+from replayssm_patch.vllm import model_class as model_hooks
 from replayssm_patch.testing import cache_dir
 
 if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
@@ -27,9 +28,9 @@ def test_plugin_is_inert_when_disabled_whatever_the_other_variables_say(monkeypa
     monkeypatch.delenv("VLLM_GDN_REPLAYSSM", raising=False)
     monkeypatch.setenv("VLLM_GDN_REPLAYSSM_RING", "abc")
     plugin.register()  # no error: the patch is off
-    assert clean_patch_state.report()["applied"] is False
+    assert clean_patch_state.applied is False
     monkeypatch.setenv("VLLM_GDN_REPLAYSSM", "1")
-    with pytest.raises(options.OptionError, match="VLLM_GDN_REPLAYSSM_RING='abc'"):
+    with pytest.raises(config.OptionError, match="VLLM_GDN_REPLAYSSM_RING='abc'"):
         plugin.register()
 
 
@@ -39,7 +40,7 @@ def test_vllm_knows_our_variables(monkeypatch, clean_patch_state):
 
     from replayssm_patch import plugin
 
-    for name in options.ALL_ENV_VARS:
+    for name in config.ReplayConfig().to_env():
         monkeypatch.setenv(name, "0")
     monkeypatch.setenv("VLLM_GDN_REPLAYSSM_RING", "16")
     monkeypatch.setenv("VLLM_GDN_REPLAYSSM_RING_DTYPE", "auto")
@@ -56,12 +57,12 @@ def test_plugin_in_a_fresh_engine_process_does_not_say_too_late(monkeypatch, cle
     import replayssm_patch
     from replayssm_patch import plugin
 
-    for name in options.ALL_ENV_VARS:  # recorded, so what patch() sets is undone after the test
+    for name in config.ReplayConfig().to_env():  # recorded, so what patch() sets is undone after the test
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.setenv("VLLM_GDN_REPLAYSSM", "1")
     plugin.register()
-    report = clean_patch_state.report()
+    report = replayssm_patch.status()
     assert report["enabled"] and report["warnings"] == [], report
     assert not any("after vLLM created an engine" in r.getMessage() for r in caplog.records)
     late = replayssm_patch.patch(ring_len=8)["warnings"]
@@ -71,7 +72,9 @@ def test_plugin_in_a_fresh_engine_process_does_not_say_too_late(monkeypatch, cle
 def test_patch_after_an_engine_was_created_says_it_is_too_late(clean_patch_state, caplog):
     import replayssm_patch
 
-    clean_patch_state.note_engine_start()  # what the plugin does when vLLM creates its first engine
+    from replayssm_patch import activation
+
+    activation.note_engine_start()  # what the plugin does when vLLM creates its first engine
     report = replayssm_patch.patch()
     assert any("after vLLM created an engine" in w and "with the patch off" in w for w in report["warnings"])
     assert any("call patch() before creating the LLM" in r.getMessage() for r in caplog.records)
@@ -113,8 +116,26 @@ def _doctor(*args, env=None):
 
 def test_doctor_on_a_missing_path_says_so_in_one_line(tmp_path):
     rc, out, err = _doctor(str(tmp_path / "no-such-model"))
-    assert rc == 2 and "cannot read the configuration" in out
+    assert rc == 2 and "is not a directory" in out
     assert "Traceback" not in out + err
+
+
+def test_doctor_never_downloads_an_uncached_hub_id(tmp_path):
+    """A Hub id not in the local cache: answered from the cache alone (no retries against the
+    Hub), with vLLM's whole error."""
+    import time
+
+    start = time.monotonic()
+    rc, out, err = _doctor("nobody-here/no-such-model-xyz", env={"HF_HOME": str(tmp_path)})
+    assert rc == 2 and "cannot read the configuration of 'nobody-here/no-such-model-xyz'" in out, out + err
+    assert time.monotonic() - start < 60 and "Traceback" not in out + err
+
+
+def test_help_and_a_bare_call():
+    p = subprocess.run([sys.executable, "-m", "replayssm_patch", "--help"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "doctor" in p.stdout and "Exit status" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "replayssm_patch"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "usage:" in p.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "99", "x"])
@@ -153,6 +174,9 @@ def test_layer_class_check_follows_what_the_model_builds(arch, builds, monkeypat
 
 # -- page-size hooks -----------------------------------------------------------------------------
 def test_page_hook_finds_the_gdn_spec_by_its_shapes_not_its_mamba_type(monkeypatch):
+    from replayssm_patch.state import PatchState
+
+    state = PatchState()
     """Qwen4Exp builds its GDN MambaSpec without a mamba_type (vLLM's default MAMBA2) beside
     another spec: the ring is added to the spec holding the GDN state, and only to it."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -168,10 +192,11 @@ def test_page_hook_finds_the_gdn_spec_by_its_shapes_not_its_mamba_type(monkeypat
     monkeypatch.setattr(model_hooks, "_model_class", lambda cfg: Qwen4ExpLike)
     ring = (((4, 16), (4, 16, 128), (2, 16, 128)), (torch.float32,) * 3, (4, 128, 128))
     try:
-        assert model_hooks.ensure(SimpleNamespace(), lambda cfg: ring) == (True, "")
+        assert model_hooks.ensure(SimpleNamespace(), lambda cfg: ring, state) == (True, "")
         specs = Qwen4ExpLike.get_mamba_specs_from_config(SimpleNamespace())
     finally:
-        model_hooks.remove_all()
+        while state.undo:
+            state.undo.pop()()
     assert specs[0].shapes == gdn.shapes + ring[0] and specs[0].dtypes == gdn.dtypes + ring[1]
     assert specs[1] == other
     assert Qwen4ExpLike.get_mamba_specs_from_config(SimpleNamespace()) == (gdn, other)  # removed again
@@ -183,7 +208,7 @@ def test_builder_recomputes_prefill_slots_per_kv_cache_group(monkeypatch):
     batch-level flags shared."""
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
-    from replayssm_patch.backend import ReplayGDNAttentionMetadata, ReplayGDNAttentionMetadataBuilder
+    from replayssm_patch.vllm.gdn_backend import ReplayGDNAttentionMetadata, ReplayGDNAttentionMetadataBuilder
 
     def regather(self, metadata, blk_table, slot_mapping):  # what vLLM's does, for non-spec batches
         from dataclasses import replace

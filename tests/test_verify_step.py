@@ -1,9 +1,9 @@
-"""A speculative-only step on CUDA goes straight to the ring's verify (intercept.verify_step):
+"""A speculative-only step on CUDA goes straight to the ring's verify (vllm.spec_verify_step):
 it must do exactly what vLLM's `_forward_core` does for such a step with our wrapper in it.
 
 Both paths run here on the CPU (replayssm_patch.testing.spec_step) with the same conv (a
 stand-in for vLLM's `causal_conv1d_update` that records its arguments) and the same verify
-(`kernels.spec_verify`, on CPU `cpu_ring.ring_verify`): the wrapper path as vLLM 0.32 / 0.33 drive it (conv, the q/k/v split into
+(the ring's verify, on CPU `ring.cpu.ring_verify`): the wrapper path as vLLM 0.32 / 0.33 drive it (conv, the q/k/v split into
 separate buffers, `fused_sigmoid_gating_delta_rule_update` with our wrapper active, the copy into
 `core_attn_out`), and `verify_step`. Fresh random inputs: rings with committed entries and
 pending windows, accepted counts 1..W, padded tokens beyond the step's, both conv-state layouts.
@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from replayssm_patch import intercept  # noqa: E402
+from replayssm_patch.vllm import spec_verify_step  # noqa: E402
 from replayssm_patch.testing.spec_step import DIM, HV, V, W, WIDTH, ConvStandIn, make_step, via_wrapper  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def test_verify_step_does_what_vllm_does_with_the_wrapper(dim_first):
     out_a[: md.num_actual_tokens] = float("nan")  # every token of the step must be written
     out_b[: md.num_actual_tokens] = float("nan")
     via_wrapper(layer, md, **inputs, core_attn_out=out_a, gdn=gdn_a)
-    intercept.verify_step(twin, md, **inputs, core_attn_out=out_b, gdn=gdn_b)
+    spec_verify_step.verify_step(twin, md, **inputs, core_attn_out=out_b, gdn=gdn_b)
 
     assert not out_b.isnan().any()
     assert torch.equal(out_b, out_a)
@@ -57,18 +57,18 @@ def test_verify_step_does_what_vllm_does_with_the_wrapper(dim_first):
 def test_only_steps_of_speculative_rows_alone_take_it():
     md = SimpleNamespace(spec_sequence_masks=torch.ones(2, dtype=torch.bool), num_prefills=0, num_decodes=0,
                          num_accepted_tokens=torch.ones(2, dtype=torch.int32))
-    assert intercept.speculative_only(md)
-    assert not intercept.speculative_only(SimpleNamespace(**{**vars(md), "num_accepted_tokens": None}))
-    assert not intercept.speculative_only(SimpleNamespace(**{**vars(md), "num_prefills": 1}))
-    assert not intercept.speculative_only(SimpleNamespace(**{**vars(md), "num_decodes": 1}))
-    assert not intercept.speculative_only(SimpleNamespace(**{**vars(md), "spec_sequence_masks": None}))
+    assert spec_verify_step.applies(md)
+    assert not spec_verify_step.applies(SimpleNamespace(**{**vars(md), "num_accepted_tokens": None}))
+    assert not spec_verify_step.applies(SimpleNamespace(**{**vars(md), "num_prefills": 1}))
+    assert not spec_verify_step.applies(SimpleNamespace(**{**vars(md), "num_decodes": 1}))
+    assert not spec_verify_step.applies(SimpleNamespace(**{**vars(md), "spec_sequence_masks": None}))
 
 
 def test_installed_vllm_has_what_verify_step_calls():
-    """verify_step calls two globals of vLLM's GDN layer module (vLLM 0.32 and 0.33 have both)."""
+    """verify_step calls two globals of vLLM's GDN layer module (vLLM 0.32 and later have both)."""
     pytest.importorskip("vllm")
     from replayssm_patch import versions
-    from replayssm_patch.layer import vllm_gdn
+    from replayssm_patch.vllm.gdn_layer import vllm_gdn
 
     caps = versions.capabilities()
     if caps is None or not caps.mtp_cuda:

@@ -7,7 +7,7 @@ its MTP kernel (`..._spec_cpu`) in fp32; the decay alpha in fp32 in both; and bo
 q / k with eps 1e-5 (the CUDA kernels: 1e-6). An fp32 beta differs from the decode kernel's by
 up to one bf16 step (4e-3 relative) per token and the eps by 7e-4 at the |k| of the test
 checkpoints: together what made patched-vs-native tokens drift on CPU. The CPU ring's step is
-therefore the kernel's own, taken from the replayed state (replayssm_patch.cpu_ring), and the
+therefore the kernel's own, taken from the replayed state (replayssm_patch.ring.cpu), and the
 entries it appends round as the kernel does (numerics.KernelNumerics). These tests read the
 rounding straight out of the real kernels, so a vLLM release that changes it fails here.
 
@@ -168,12 +168,12 @@ def test_ring_reference_step_matches_cpu_decode_kernel(ops):
 
 @pytest.mark.parametrize("L", [1, 4, 16])
 def test_cpu_ring_step_is_the_kernels_step(ops, L):
-    """replayssm_patch.cpu_ring against vLLM's CPU decode kernel over 20 steps from random
+    """replayssm_patch.ring.cpu against vLLM's CPU decode kernel over 20 steps from random
     states (GQA 3, two of five slots idle, rings poisoned past their cursors): at ring length 1
     (a flush every step) outputs and states are bit-identical; longer rings differ only by the
     replay's rounding, and the checkpoint of a row that flushes is the kernel's own new state."""
-    from replayssm_patch import cpu_ring
-    from replayssm_patch.layer import RingBuffers
+    from replayssm_patch.ring import cpu as cpu_ring
+    from replayssm_patch.ring.runtime import RingBuffers
 
     H, HV, K, V, N, slots = 2, 6, 128, 128, 3, 6
     g = torch.Generator().manual_seed(10 + L)

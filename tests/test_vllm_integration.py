@@ -25,7 +25,7 @@ Each arm runs in its own process (replayssm_patch.testing.engine_runner). What i
   6/6), mixed 6/0/0, align (gdn 64) 4/0/0, preempt 8/0/0, TP=2 4/0/0; qwen3_next batch 6/0/0
   (control 6/6), mixed 6/0/0, align 4/0/0, and the dispatch crossing min_batch 6/0/0 for both
   architectures: the full criterion is asserted in every scenario. The CPU ring's step is vLLM's
-  own CPU kernel taken from the replayed state (replayssm_patch.cpu_ring), so the shadow check
+  own CPU kernel taken from the replayed state (replayssm_patch.ring.cpu), so the shadow check
   sees only the replay's rounding (a few one-ulp flips of bf16 outputs at most).
 """
 

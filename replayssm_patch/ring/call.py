@@ -1,4 +1,5 @@
-"""The ring call in progress, and the scaffold of the wrappers around vLLM's recurrence kernels.
+"""The ring call in progress: how a ring layer runs vLLM's GDN core (`run_with_ring`), and the
+scaffold of the wrappers around vLLM's recurrence kernels.
 
 While a ring layer runs vLLM's GDN core, `active()` holds a `RingCall` (a ContextVar): the
 layer's ring, this step's flags and the operations to run. vLLM's recurrence kernels are
@@ -16,6 +17,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+
+from . import shadow
 
 
 @dataclass
@@ -117,3 +120,55 @@ def spec_slots(idx, rows):
     """One slot per verify row: column 0 of vLLM's [rows, T+1] spec indices (the builder repeats
     the request's one slot across the row)."""
     return (idx[:, 0] if idx.ndim == 2 else idx)[:rows].contiguous()
+
+
+def run_with_ring(layer, md, state_for_kernels, native_call):
+    """Run vLLM's GDN core for a ring `layer` (vllm.gdn_layer.ReplayQwenGDN) with its decode rows
+    on the ring: `native_call()` runs the core, `state_for_kernels` is the layer's state as the
+    ring's kernels index it on this platform.
+
+    With MTP, the non-spec rows' slots first commit the verify window a previous step left there
+    (the spec rows' verify commits its own). Prefill rows read and write the checkpoint directly:
+    the rings they carry are flushed first, and emptied after the prefill wrote a fresh state.
+    """
+    ring, ops, plan = layer.replay_ring, layer.ring_ops, layer.ring_plan
+    if md.ring_commit_slots is not None:
+        ops.commit(ring, md.ring_commit_slots, md.ring_commit_accepted)
+    if md.ring_prefill_flush_slots is not None:
+        ops.materialize(state_for_kernels, ring, md.ring_prefill_flush_slots)
+    call = RingCall(layer.kv_cache[1], ring, ops, md.ring_force_flush, md.ring_start_empty, layer.head_k_dim ** -0.5,
+                    plan.spec_window, native_decode=not md.ring_decode,
+                    flashinfer_verify=flashinfer_serves(plan, md))
+    with ring_call(call):
+        result = native_call()
+    if md.ring_prefill_slots is not None:
+        ops.reset(ring, md.ring_prefill_slots)
+        if ring.shadow is not None:
+            shadow.sync_slots(ring, cpu_kv_view(layer), md.ring_prefill_slots)
+    return result
+
+
+def flashinfer_serves(plan, md) -> bool:
+    """FlashInfer's verify kernel serves this step: the plan chose it and every verify row has
+    exactly the plan's window (else ours runs, on the same rings)."""
+    return plan.verify_kernel == "flashinfer" and _uniform_windows(md, plan.spec_window)
+
+
+def _uniform_windows(md, window: int) -> bool:
+    """Whether every verify row of this step has exactly `window` tokens (host metadata: vLLM
+    >= 0.33 records it, 0.32 has the token and row counts)."""
+    if hasattr(md, "uniform_spec_sequence_length"):
+        return md.uniform_spec_sequence_length == window
+    return bool(md.num_spec_decodes) and md.num_spec_decode_tokens == md.num_spec_decodes * window
+
+
+def cpu_kv_view(layer) -> torch.Tensor:
+    """The SSM state as vLLM's CPU kernels see it: [slot, HV, K, V]."""
+    s = layer.kv_cache[1]
+    n, hv, v, k = s.shape
+    return s.view(n, hv, k, v)
+
+
+def cpu_state_view(layer) -> torch.Tensor:
+    """vLLM's CPU GDN kernels read each head as [K][V]; as [V, K] that is the transpose."""
+    return cpu_kv_view(layer).transpose(-1, -2)

@@ -4,11 +4,10 @@
 bf16 state and entries, K = V = 128, windows of 4 or 8 tokens) keeps the same ring content as
 ours -- L2-normalised keys, the delta rule's d vectors, cumulative log-decays since the
 checkpoint, at entries n..n+W-1 of a slot's ring (tests/gpu/test_flashinfer_verify_gpu.py) --
-and measured 2.3-5.0x our verify kernel on an H200 (benchmarks/results/flashinfer_2026-12-04/).
-So it serves the verify step on our rings, and every other ring operation (commit, decode,
-materialise, reset) stays ours. What differs is bookkeeping, done around its launch by two
-small kernels (`_vendored/ucache.py`, one launch each; it had been ~30 torch ops per call,
-the likely reason the step was slower end to end than with our kernel on 2026-12-04):
+and its kernel is faster than ours (benchmarks/results/flashinfer_2026-12-04/). So it serves the
+verify step on our rings, and every other ring operation (commit, decode, materialise, reset)
+stays ours. What differs is bookkeeping, done around its launch by two small kernels (the ops'
+`ucache`, one launch each, where torch would take dozens of small ops per call):
 
   * it takes the committed count per row (`hist_len`, at most 16) and leaves the commit to the
     caller: we commit the previous window first, fold any ring longer than 16 entries into its
@@ -19,7 +18,7 @@ the likely reason the step was slower end to end than with our kernel on 2026-12
     ring's start (a ring here never wraps: its base stays 0);
   * padding rows (slot <= 0) are pointed at the null block 0, whose state nobody reads;
   * the layer's A_log / dt_bias are parameters: they go in detached (DLPack refuses tensors
-    that require grad; the first end-to-end run failed there, 2026-12-04).
+    that require grad).
 
 Everything is graph-safe (no host sync). `why_not` says whether a config can use it.
 """

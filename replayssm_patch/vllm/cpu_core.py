@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 
-from .gdn_layer import ReplayQwenGDN, cpu_state_view, run_with_ring
+from ..ring.call import cpu_state_view, run_with_ring
 
 
 def make_wrapper(native):
     def cpu_gdn_attention(layer, attn_metadata_i, *args, **kw):
-        md = layer.ring_metadata() if isinstance(layer, ReplayQwenGDN) else None
+        ring_metadata = getattr(layer, "ring_metadata", None)  # a ring layer (vllm.gdn_layer) has it
+        md = ring_metadata() if ring_metadata is not None else None
         if md is None:
             return native(layer, attn_metadata_i, *args, **kw)
         return run_with_ring(layer, md, cpu_state_view(layer), lambda: native(layer, attn_metadata_i, *args, **kw))

@@ -36,7 +36,6 @@ from vllm.v1.attention.backends.gdn_attn import (
 )
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..plan import Plan
 from ..ring.runtime import ops_for
 from ..state import STATE
 from . import metadata_reuse
@@ -47,10 +46,10 @@ class RingMambaSpec(MambaSpec):
     """vLLM's GDN cache spec with the ring's tensors appended to its page, carrying the plan to
     the builder (vLLM finds a spec's cache manager through its base classes)."""
 
-    ring_plan: Plan | None = None
+    ring_plan: object = None  # the layers' replayssm_patch.plan.Plan
 
 
-def ring_spec(spec: MambaSpec, plan: Plan) -> RingMambaSpec:
+def ring_spec(spec: MambaSpec, plan) -> RingMambaSpec:
     """`spec` with the ring's tensors and the plan; with MTP one checkpoint slot per request
     instead of 1+T (the verify window lives in the ring)."""
     g = plan.geometry

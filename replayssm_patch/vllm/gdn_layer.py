@@ -21,7 +21,7 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedD
 
 from ..plan import Plan, device_memory, make_plan
 from ..ring import shadow
-from ..ring.call import RingCall, ring_call
+from ..ring.call import cpu_kv_view, run_with_ring
 from ..ring.runtime import RingBuffers, ops_for
 from ..state import STATE, PatchRefused
 from . import fused_decode_flags, model_class, spec_verify_step
@@ -108,7 +108,7 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         ring = RingBuffers(*views, cursor=self._cursor_for(pages))
         config = STATE.config
         if config.shadow:  # testing aid: exact states beside the ring, in the CPU kernels' view
-            ring.shadow = _cpu_kv_view(self).clone()
+            ring.shadow = cpu_kv_view(self).clone()
         if config.poison:  # testing aid: garbage in every ring nobody started yet
             shadow.poison_rings(ring, STATE.stats)
         self.replay_ring = ring
@@ -152,39 +152,3 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         if mixed_qkv.is_cuda and spec_verify_step.applies(md):
             return spec_verify_step.verify_step(self, md, mixed_qkv, b, a, core_attn_out, vllm_gdn)
         return run_with_ring(self, md, self.ring_state(), lambda: native(mixed_qkv, b, a, core_attn_out))
-
-
-def run_with_ring(layer: ReplayQwenGDN, md, state_for_kernels, native_call):
-    """Run vLLM's GDN core for `layer` with its decode rows on the ring.
-
-    With MTP, the non-spec rows' slots first commit the verify window a previous step left there
-    (the spec rows' verify commits its own). Prefill rows read and write the checkpoint directly:
-    the rings they carry are flushed first, and emptied after the prefill wrote a fresh state.
-    """
-    ring, ops, plan = layer.replay_ring, layer.ring_ops, layer.ring_plan
-    if md.ring_commit_slots is not None:
-        ops.commit(ring, md.ring_commit_slots, md.ring_commit_accepted)
-    if md.ring_prefill_flush_slots is not None:
-        ops.materialize(state_for_kernels, ring, md.ring_prefill_flush_slots)
-    call = RingCall(layer.kv_cache[1], ring, ops, md.ring_force_flush, md.ring_start_empty, layer.head_k_dim ** -0.5,
-                    plan.spec_window, native_decode=not md.ring_decode,
-                    flashinfer_verify=spec_verify_step.flashinfer_serves(plan, md))
-    with ring_call(call):
-        result = native_call()
-    if md.ring_prefill_slots is not None:
-        ops.reset(ring, md.ring_prefill_slots)
-        if ring.shadow is not None:
-            shadow.sync_slots(ring, _cpu_kv_view(layer), md.ring_prefill_slots)
-    return result
-
-
-def _cpu_kv_view(layer) -> torch.Tensor:
-    """The SSM state as vLLM's CPU kernels see it: [slot, HV, K, V]."""
-    s = layer.kv_cache[1]
-    n, hv, v, k = s.shape
-    return s.view(n, hv, k, v)
-
-
-def cpu_state_view(layer) -> torch.Tensor:
-    """vLLM's CPU GDN kernels read each head as [K][V]; as [V, K] that is the transpose."""
-    return _cpu_kv_view(layer).transpose(-1, -2)

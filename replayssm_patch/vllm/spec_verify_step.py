@@ -7,6 +7,8 @@ such a step, argument for argument; its probe checks that vLLM still makes it so
 
 from __future__ import annotations
 
+from ..ring.call import flashinfer_serves
+
 
 def applies(md) -> bool:
     """A step of verify rows alone, with the accepted counts its verify commits by."""
@@ -29,17 +31,3 @@ def verify_step(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
     layer.ring_ops.verify(x, a[:n], b[:n], layer.A_log, layer.dt_bias, layer.head_k_dim ** -0.5, layer.kv_cache[1],
                           core_attn_out[:n], idx[:rows, 0], md.spec_query_start_loc[:rows + 1], layer.replay_ring,
                           md.num_accepted_tokens, plan.spec_window, flashinfer=flashinfer_serves(plan, md))
-
-
-def flashinfer_serves(plan, md) -> bool:
-    """FlashInfer's verify kernel serves this step: the plan chose it and every verify row has
-    exactly the plan's window (else ours runs, on the same rings)."""
-    return plan.verify_kernel == "flashinfer" and _uniform_windows(md, plan.spec_window)
-
-
-def _uniform_windows(md, window: int) -> bool:
-    """Whether every verify row of this step has exactly `window` tokens (host metadata: vLLM
-    >= 0.33 records it, 0.32 has the token and row counts)."""
-    if hasattr(md, "uniform_spec_sequence_length"):
-        return md.uniform_spec_sequence_length == window
-    return bool(md.num_spec_decodes) and md.num_spec_decode_tokens == md.num_spec_decodes * window

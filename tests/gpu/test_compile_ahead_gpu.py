@@ -1,4 +1,4 @@
-"""`kernels.compile_ahead` on a CUDA GPU: after it, the ring's maintenance kernels compile nothing
+"""`CudaRingOps.compile_ahead` on a CUDA GPU: after it, the ring's maintenance kernels compile nothing
 more, whatever the slot count and however vLLM's index slices are aligned (the calls a prefill,
 a native decode step and an MTP commit make), so vLLM's JIT monitor sees no compile mid-step.
 
@@ -31,9 +31,10 @@ def count_compiles() -> dict:
     import torch
     from triton import knobs
 
-    from replayssm_patch import kernels
+    from collections import Counter
+
     from replayssm_patch._vendored import ring_commit, ring_materialize, ring_reset
-    from replayssm_patch.layer import RingBuffers
+    from replayssm_patch.ring.runtime import CudaRingOps, RingBuffers
 
     compiled = []
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(getattr(kw.get("fn"), "name", "?"))
@@ -42,7 +43,7 @@ def count_compiles() -> dict:
     state = torch.randn(slots, HV, V, K, device=dev) * 0.1
     ring = RingBuffers(g=torch.zeros(slots, HV, L, device=dev), d=torch.zeros(slots, HV, L, V, device=dev),
                        k=torch.zeros(slots, H, L, K, device=dev), cursor=torch.zeros(slots, dtype=torch.int32, device=dev))
-    kernels.compile_ahead(state, ring, speculative=True)
+    CudaRingOps(Counter()).compile_ahead(state, ring, speculative=True)
     torch.cuda.synchronize()
     ahead = list(compiled)
     compiled.clear()

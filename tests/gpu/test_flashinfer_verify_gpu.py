@@ -1,6 +1,6 @@
-"""FlashInfer's ReplaySSM MTP kernel as our verify step (`replayssm_patch.flashinfer_verify`).
+"""FlashInfer's ReplaySSM MTP kernel as our verify step (`replayssm_patch.ring.flashinfer`).
 
-`kernels.spec_verify(..., flashinfer=True)` runs FlashInfer's `gated_delta_rule_mtp_ucache_flush`
+`CudaRingOps.verify(..., flashinfer=True)` runs FlashInfer's `gated_delta_rule_mtp_ucache_flush`
 on our rings with our commit around it; `flashinfer=False` runs our Triton verify kernel (tested
 against a float64 reference in test_ring_verify_gpu.py). Twins fed the same inputs and accepted
 counts must agree, over enough steps that both fold rings into checkpoints (at different
@@ -27,11 +27,14 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
     pytest.skip("needs a CUDA GPU of capability 9.0 or newer", allow_module_level=True)
 pytest.importorskip("triton")
 
-from replayssm_patch import flashinfer_verify, kernels  # noqa: E402
+from collections import Counter  # noqa: E402
+
+from replayssm_patch.ring import flashinfer as flashinfer_verify  # noqa: E402
+from replayssm_patch.ring.runtime import CudaRingOps  # noqa: E402
 from replayssm_patch._vendored import pack_cursor, unpack_cursor  # noqa: E402
 
-if flashinfer_verify._kernel()[0] is None:
-    pytest.skip(f"FlashInfer's verify kernel does not import: {flashinfer_verify._kernel()[1]}",
+if flashinfer_verify.load_kernel()[0] is None:
+    pytest.skip(f"FlashInfer's verify kernel does not import: {flashinfer_verify.load_kernel()[1]}",
                 allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +42,7 @@ pytestmark = pytest.mark.gpu
 BF16, F32 = torch.bfloat16, torch.float32
 BOUND = 2e-2
 H, HV, K, V, L = 4, 8, 128, 128, flashinfer_verify.RING_SLOTS
+OPS = CudaRingOps(Counter())
 
 
 def _rel(x, ref):
@@ -106,7 +110,7 @@ def test_flashinfer_verify_matches_ours(W, n_max):
         for arm, use_fi in ((ours, False), (fi, True)):
             before = unpack_cursor(arm.cursor[s])[0].clone() if use_fi else None
             out = torch.full((B * W, HV, V), float("nan"), dtype=BF16, device="cuda")
-            kernels.spec_verify(qkv, a, b, A_log, dt_bias, K ** -0.5, arm.state, out, idx, cu, arm, acc, W,
+            OPS.verify(qkv, a, b, A_log, dt_bias, K ** -0.5, arm.state, out, idx, cu, arm, acc, W,
                                 flashinfer=use_fi)
             outs.append(out.view(B, W, HV, V)[real])
         n_fi, pending = unpack_cursor(fi.cursor[s])
@@ -125,8 +129,8 @@ def test_flashinfer_verify_matches_ours(W, n_max):
         acc = torch.randint(1, W + 1, (B,), generator=gen, dtype=torch.int32).cuda()
     assert folds > 0, "no row folded its ring: the test did not cover it"
     for arm in (ours, fi):
-        kernels.commit(arm, idx, acc)
-        kernels.materialize(arm.state, arm, idx)
+        OPS.commit(arm, idx, acc)
+        OPS.materialize(arm.state, arm, idx)
     err = _rel(fi.state[s], ours.state[s])
     print(f"W={W} n_max={n_max}: {steps} steps, {folds} folds, worst output diff {worst:.3e}, state diff {err:.3e}")
     assert err < BOUND, f"materialised checkpoints differ by {err:.3e}"
@@ -145,7 +149,7 @@ def test_flashinfer_verify_cuda_graph_replays_like_eager():
 
     def run(arm, inputs, outputs):
         for (qkv, a, b, acc), out in zip(inputs, outputs):
-            kernels.spec_verify(qkv, a, b, A_log, dt_bias, K ** -0.5, arm.state, out, idx, cu, arm, acc, W,
+            OPS.verify(qkv, a, b, A_log, dt_bias, K ** -0.5, arm.state, out, idx, cu, arm, acc, W,
                                 flashinfer=True)
 
     warm = _arm(S0, entries, n0)  # compile outside the capture, on a throwaway copy

@@ -1,5 +1,5 @@
-"""GPU tests of `replayssm_patch.kernels`, the layer the integration calls: on CUDA it runs the
-Triton kernels, on CPU the torch reference. The same inputs through both (CUDA tensors and
+"""GPU tests of the ring's operations the integration calls (ring.runtime): `CudaRingOps` runs the
+Triton kernels, `CpuRingOps` the torch reference. The same inputs through both (CUDA tensors and
 their CPU copies) must agree over whole ring cycles, with forced flushes, rows that start
 empty, null and padded rows; and CUDA must refuse the CPU kernels' numerics before it counts
 or runs anything.
@@ -18,10 +18,15 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from replayssm_patch import kernels, numerics  # noqa: E402
+from collections import Counter  # noqa: E402
+
+from replayssm_patch.ring import numerics  # noqa: E402
+from replayssm_patch.ring.runtime import CpuRingOps, CudaRingOps  # noqa: E402
 from replayssm_patch._vendored.ring_reference import pack_cursor, unpack_cursor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+STATS = Counter()
+GPU, CPU = CudaRingOps(STATS), CpuRingOps(STATS)
 
 H, HV, K, V, L = 2, 6, 128, 128, 16  # GQA 3; the wrapper's defaults for every launch choice
 
@@ -63,16 +68,16 @@ def test_decode_cuda_matches_cpu_reference(ring_dtype, rows):
     A_log = torch.randn(HV, generator=gen) * 0.5
     dt_bias = torch.randn(HV, generator=gen) * 0.5
     worst = 0.0
-    before = dict(kernels.counters)
+    before = dict(STATS)
     for step in range(L + 4):
         qkv, a, b = _inputs(gen, rows)
         ff = torch.rand(rows, generator=gen) < 0.1
         se = torch.rand(rows, generator=gen) < 0.05
         out_c = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16)
         out_g = out_c.cuda()
-        kernels.decode(qkv.cuda(), a.cuda(), b.cuda(), A_log.cuda(), dt_bias.cuda(), K ** -0.5, st_g, out_g,
+        GPU.decode(qkv.cuda(), a.cuda(), b.cuda(), A_log.cuda(), dt_bias.cuda(), K ** -0.5, st_g, out_g,
                        idx.cuda(), ring_g, ff.cuda(), se.cuda())
-        kernels.decode(qkv, a, b, A_log, dt_bias, K ** -0.5, st_c, out_c, idx, ring_c, ff, se,
+        CPU.decode(qkv, a, b, A_log, dt_bias, K ** -0.5, st_c, out_c, idx, ring_c, ff, se,
                        numerics=numerics.FLA_NUMERICS)
         assert not torch.isnan(out_g.float()).any(), f"step {step}: unwritten output"
         assert (out_g[idx.cuda() <= 0] == 0).all(), "null / padded rows get a zero output"
@@ -81,7 +86,7 @@ def test_decode_cuda_matches_cpu_reference(ring_dtype, rows):
     bound = 2e-3 if ring_dtype == torch.float32 else 2e-2  # bf16 output; a bf16 ring d entry may round apart
     assert worst < bound, f"output rel {worst} >= {bound}"
     assert _rel(st_g, st_c) < bound / 2, f"state rel {_rel(st_g, st_c)}"
-    assert kernels.counters["decode_calls"] - before.get("decode_calls", 0) == 2 * (L + 4)
+    assert STATS["decode_calls"] - before.get("decode_calls", 0) == 2 * (L + 4)
 
 
 def test_spec_verify_cuda_matches_cpu_reference():
@@ -106,17 +111,17 @@ def test_spec_verify_cuda_matches_cpu_reference():
         qkv, a, b = _inputs(gen, ntok)
         out_c = torch.full((ntok, HV, V), float("nan"), dtype=torch.float32)
         out_g = out_c.cuda()
-        kernels.spec_verify(qkv.cuda(), a.cuda(), b.cuda(), A_log.cuda(), dt_bias.cuda(), K ** -0.5, st_g, out_g,
+        GPU.verify(qkv.cuda(), a.cuda(), b.cuda(), A_log.cuda(), dt_bias.cuda(), K ** -0.5, st_g, out_g,
                             idx.cuda(), cu.cuda(), ring_g, acc.cuda(), W)
-        kernels.spec_verify(qkv, a, b, A_log, dt_bias, K ** -0.5, st_c, out_c, idx, cu, ring_c, acc, W)
+        CPU.verify(qkv, a, b, A_log, dt_bias, K ** -0.5, st_c, out_c, idx, cu, ring_c, acc, W)
         real = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in range(rows) if int(idx[i]) > 0])
         assert not torch.isnan(out_g[real.cuda()]).any(), f"step {step}: unwritten output"
         n_g, p_g = unpack_cursor(ring_g.cursor.cpu())
         n_c, p_c = unpack_cursor(ring_c.cursor)
         assert torch.equal(n_g, n_c) and torch.equal(p_g, p_c), f"step {step}: cursor words differ"
         worst = max(worst, _rel(out_g[real.cuda()], out_c[real]))
-    kernels.commit(ring_g, idx.cuda(), last.to(torch.int32).cuda())
-    kernels.commit(ring_c, idx, last.to(torch.int32))
+    GPU.commit(ring_g, idx.cuda(), last.to(torch.int32).cuda())
+    CPU.commit(ring_c, idx, last.to(torch.int32))
     assert torch.equal(ring_g.cursor.cpu(), ring_c.cursor)
     assert worst < 1e-4, f"output rel {worst}"
     assert _rel(st_g, st_c) < 1e-4
@@ -128,14 +133,14 @@ def test_cuda_refuses_cpu_numerics_before_counting():
     qkv, a, b = (t.cuda() for t in _inputs(gen, 2))
     idx = torch.tensor([1, 2], dtype=torch.int32, device="cuda")
     state_before, cursor_before = st_g.clone(), ring_g.cursor.clone()
-    counts = dict(kernels.counters)
+    counts = dict(STATS)
     out = torch.zeros(2, HV, V, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="round as FLA"):
-        kernels.decode(qkv, a, b, torch.zeros(HV, device="cuda"), torch.zeros(HV, device="cuda"), K ** -0.5,
+        GPU.decode(qkv, a, b, torch.zeros(HV, device="cuda"), torch.zeros(HV, device="cuda"), K ** -0.5,
                        st_g, out, idx, ring_g, None, None, numerics=numerics.CPU_DECODE_NUMERICS)
     with pytest.raises(ValueError, match="round as FLA"):
-        kernels.spec_verify(qkv, a, b, torch.zeros(HV, device="cuda"), torch.zeros(HV, device="cuda"), K ** -0.5,
+        GPU.verify(qkv, a, b, torch.zeros(HV, device="cuda"), torch.zeros(HV, device="cuda"), K ** -0.5,
                             st_g, out, idx, torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"), ring_g,
                             None, 2, numerics=numerics.CPU_SPEC_NUMERICS)
-    assert dict(kernels.counters) == counts, "a refused call must not be counted"
+    assert dict(STATS) == counts, "a refused call must not be counted"
     assert torch.equal(st_g, state_before) and torch.equal(ring_g.cursor, cursor_before)

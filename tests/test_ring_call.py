@@ -1,5 +1,5 @@
-"""The kernel wrappers' argument binding (intercept._binder) and what they preserve of the
-function they wrap: name, signature, __wrapped__."""
+"""The kernel wrappers' scaffold (ring.call): their argument binding, what they preserve of the
+function they wrap (name, signature, __wrapped__), and the active ring call as a ContextVar."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import inspect
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
-from replayssm_patch import intercept  # noqa: E402
+from replayssm_patch.ring import call  # noqa: E402
+from replayssm_patch.vllm import cpu_spec_update, cpu_update, packed_decode, sigmoid_update  # noqa: E402
+
+WRAPPERS = [packed_decode.make_wrapper, sigmoid_update.make_wrapper, cpu_update.make_wrapper,
+            cpu_spec_update.make_wrapper]
 
 
 def native(q, k, v, scale=None, initial_state=None, *, use_qk_l2norm_in_kernel=False, out=None):
@@ -17,7 +21,7 @@ def native(q, k, v, scale=None, initial_state=None, *, use_qk_l2norm_in_kernel=F
 
 
 def test_binding_names_every_argument_as_python_would():
-    bind = intercept._binder(native)
+    bind = call.binder(native)
     want = inspect.signature(native).bind(1, 2, v=3, out=4)
     want.apply_defaults()
     assert bind((1, 2), {"v": 3, "out": 4}) == dict(want.arguments)
@@ -30,22 +34,20 @@ def test_binding_names_every_argument_as_python_would():
 
 
 def test_a_binding_is_a_fresh_dict():
-    bind = intercept._binder(native)
+    bind = call.binder(native)
     first = bind((), {"q": 1, "k": 2, "v": 3})
     first["scale"] = "changed"
     assert bind((), {"q": 1, "k": 2, "v": 3})["scale"] is None
 
 
-@pytest.mark.parametrize("make", [intercept.make_packed_decode_wrapper, intercept.make_sigmoid_update_wrapper,
-                                  intercept.make_cpu_update_wrapper, intercept.make_cpu_spec_update_wrapper])
+@pytest.mark.parametrize("make", WRAPPERS)
 def test_wrappers_keep_name_signature_and_wrapped(make):
     w = make(native)
     assert w.__wrapped__ is native and w.__name__ == "native"
     assert inspect.signature(w) == inspect.signature(native)
 
 
-@pytest.mark.parametrize("make", [intercept.make_packed_decode_wrapper, intercept.make_sigmoid_update_wrapper,
-                                  intercept.make_cpu_update_wrapper, intercept.make_cpu_spec_update_wrapper])
+@pytest.mark.parametrize("make", WRAPPERS)
 def test_outside_a_ring_call_the_native_function_gets_the_call_as_made(make):
     """No ring layer is running (every GDN layer native, or a prefill path): the wrapper hands
     vLLM's function the call as made, positional arguments as positional, without binding."""
@@ -55,5 +57,17 @@ def test_outside_a_ring_call_the_native_function_gets_the_call_as_made(make):
         calls.append((args, kw))
         return "native"
 
-    assert intercept._active is None
+    assert call.active() is None
     assert make(spy)(1, 2, v=3) == "native" and calls == [((1, 2), {"v": 3})]
+
+
+def test_a_ring_call_is_active_only_inside_its_block_and_never_nested():
+    state = torch.zeros(3, 2)
+    c = call.RingCall(state, ring=None, ops=None, force_flush=state, start_empty=state, scale=1.0)
+    with call.ring_call(c):
+        assert call.active() is c and call.call_for(state) is c and call.call_for(state.t()) is c
+        assert call.call_for(torch.zeros(3, 2)) is None  # another layer's state
+        with pytest.raises(RuntimeError, match="nested"):
+            with call.ring_call(c):
+                pass
+    assert call.active() is None
