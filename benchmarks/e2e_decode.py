@@ -36,8 +36,7 @@ against.
 `VLLM_CPU_KVCACHE_SPACE` per engine: the CI runs the two engines that way.
 `--tp N` runs both engines with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
 (16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
-with T drafts to both arms (the patched arm opts in with patch(allow_mtp=True), as MTP
-on CUDA stays native by default; prefix caching off in both; with dummy weights drafts are rarely
+with T drafts to both arms (the patched arm with patch(allow_mtp="ring"); prefix caching off in both; with dummy weights drafts are rarely
 accepted, so this measures the per-step cost of verifying 1+T tokens; vLLM's acceptance
 counters are recorded per arm). `--mtp-kernel flashinfer` gives the patched arm FlashInfer's
 verify kernel (patch(mtp_kernel=...)).
@@ -54,8 +53,9 @@ in runtime calls that wait for the GPU. `--profile-stack` adds the profiler's Py
 per engine, the time of the Python functions on the step's thread (children included).
 
 The patched arm decodes through the ring at every batch (`--min-batch 1`): the ring is what is
-measured. The default a user gets (`min_batch="auto"`) keeps plain decode native on CUDA for an
-fp32 state (replayssm_patch/dispatch.py, from this benchmark's results).
+measured. `--min-batch auto` measures the default a user gets instead: the plan's rule
+(replayssm_patch/payoff.py) decides, and the engine's log line says what it chose
+(`plan_min_batch` per arm, None where plain decode stays native).
 
 The Amdahl bound per batch size is computed from the native step time and, when given
 (`--kernel-json`), the kernel benchmark's native and ring times for the same shape and state
@@ -157,12 +157,11 @@ def engines(args) -> None:
         if name == "patched":
             import replayssm_patch
 
-            # MTP on CUDA goes through the ring only when opted in; patch() also sets the
-            # environment the patched engine's processes read
+            # with --mtp the ring serves it (also on CPU, where the plan keeps MTP native by
+            # default); patch() also sets the environment the patched engine's processes read
             report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
-                                           allow_mtp=bool(args.mtp), min_batch=args.min_batch,
-                                           mtp_kernel=args.mtp_kernel,
-                                           allow_16bit_state=args.state_dtype in ("bfloat16", "float16"))
+                                           allow_mtp="ring" if args.mtp else "auto", min_batch=args.min_batch,
+                                           mtp_kernel=args.mtp_kernel)
             assert report["applied"], report
         prof = {}
         if profiled:  # traces land in this engine's directory (absolute), one file per worker
@@ -279,12 +278,19 @@ def check_engine_log(name: str, log: str, args, max_batch: int) -> dict:
     tail = log[-6000:]
     if name in ("native", "control") and "decode through the ring" in log:
         raise SystemExit(f"{name} engine: its log shows the ring (VLLM_GDN_REPLAYSSM set?):\n{tail}")
+    plan_min_batch = None
     if name == "patched":
-        if "decode through the ring" not in log:
+        served = re.search(r"decode through the ring on plain decode steps of >= (\d+) rows", log)
+        plan_min_batch = int(served.group(1)) if served else (1 if args.mtp else None)
+        if args.min_batch == "auto" and "GDN layers use vLLM's native decode" in log:
+            pass  # the default: the plan kept plain decode native, as its log line says
+        elif "decode through the ring" not in log:
             raise SystemExit(f"patched engine: no 'decode through the ring' line (GDN layers native, "
                              f"or VLLM_LOGGING_LEVEL above INFO):\n{tail}")
-        if args.mtp and f"verify kernel: {args.mtp_kernel}" not in log:
-            raise SystemExit(f"patched engine: no 'verify kernel: {args.mtp_kernel}' line (--mtp-kernel not "
+        from vllm.platforms import current_platform
+
+        if args.mtp and current_platform.is_cuda() and f"verify kernel {args.mtp_kernel}" not in log:
+            raise SystemExit(f"patched engine: no 'verify kernel {args.mtp_kernel}' line (--mtp-kernel not "
                              f"served):\n{tail}")
     room = [float(x) for x in _CONCURRENCY.findall(log)]
     if not room:
@@ -295,9 +301,10 @@ def check_engine_log(name: str, log: str, args, max_batch: int) -> dict:
                          f"(now {args.gpu_util}) or leave that batch out")
     tokens = [int(x.replace(",", "")) for x in _KV_TOKENS.findall(log)]
     return {"kv_cache_tokens": min(tokens) if tokens else None, "max_concurrency": min(room),
+            "plan_min_batch": plan_min_batch,
             "engine_cache_log": [ln.strip()[-220:] for ln in log.splitlines()
                                  if "Maximum concurrency" in ln or "KV cache size" in ln
-                                 or "decode through the ring" in ln or "verify kernel:" in ln][:6]}
+                                 or "decode through the ring" in ln or "native decode" in ln][:6]}
 
 
 # engine steps skipped after the prefill chunks, then traced: 16 steps are one whole ring cycle

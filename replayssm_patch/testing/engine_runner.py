@@ -146,6 +146,13 @@ def _gdn_cache_bytes(llm) -> dict | None:
             "num_speculative_blocks": sorted(nsb)}
 
 
+def replayssm_patch_status(llm) -> dict:
+    import replayssm_patch
+
+    report = replayssm_patch.status(llm)
+    return {"layers": report["layers"], "counters": report["counters"], "workers": len(report.get("workers", []))}
+
+
 def _ring_counters(spec) -> dict:
     if not spec["patched"]:
         return {}
@@ -241,6 +248,8 @@ def main(spec_path: str) -> None:
             import replayssm_patch
 
             entry["layer_decisions"] = replayssm_patch.status()["layers"]
+        if spec["patched"]:  # what the user's status(llm) shows: the workers' own report
+            entry["engine_status"] = replayssm_patch_status(llm)
         if eng.get("memory_check"):  # last: it leaves the engine without a KV cache
             from replayssm_patch.testing.memory_check import cache_memory_report
 

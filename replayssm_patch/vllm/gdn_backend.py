@@ -40,6 +40,8 @@ from ..ring.runtime import ops_for
 from ..state import STATE
 from . import metadata_reuse
 
+STATS_LOG_SECONDS = 60  # the ring's counters in the worker's log, at most this often
+
 
 @dataclass(frozen=True)
 class RingMambaSpec(MambaSpec):
@@ -88,6 +90,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
               num_decode_draft_tokens_cpu=None, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                            num_decode_draft_tokens_cpu, fast_build)
+        STATE.log_stats_every(STATS_LOG_SECONDS)
         extra = self._ring_fields(common_attn_metadata, md)
         extra["ring_decode"] = bool(self.num_spec) or md.num_decodes >= self.min_batch
         if md.num_decodes:
