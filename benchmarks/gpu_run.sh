@@ -165,10 +165,12 @@ case "${1:?step}" in
     exit $rc ;;
   capacity)  # issue #46 (see the header)
     shift; rc=0; runs=()
-    for T in 3 7; do
+    for T in ${TS:-3 7}; do  # TS="7": one T alone (a session's device time holds one pair of MTP engines)
       f="$OUT/capacity_t$T.json"
-      python3 benchmarks/capacity.py --shape 9b --state-dtype float32 --mtp "$T" --offered 1,2 --pairs 3 \
-        --out "$f" --workdir /tmp/capacity "$@" 2>&1 | tail -40 || rc=1
+      # the whole output in $OUT as it comes (a `jobs` call shows how far a run got, and a machine taken
+      # back mid-run still returns it), its end on the terminal
+      python3 benchmarks/capacity.py --shape 9b --state-dtype float32 --mtp "$T" --offered 1,2 --pairs 3 --in-len 512 \
+        --out "$f" --workdir /tmp/capacity "$@" 2>&1 | tee "$OUT/capacity_t$T.log" | tail -40 || rc=1
       gzip -c /tmp/capacity/engines.log > "$OUT/capacity_engines_t$T.log.gz" 2>/dev/null || true
       if [ -f "$f" ]; then rm -f "$f.partial"; runs+=("$f"); elif [ -f "$f.partial" ]; then runs+=("$f.partial"); fi
     done
