@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadataBuilder,
 )
 
-from . import _vendored as lib
+from . import ops as lib
 from . import versions
 from .kernels import counters
 
@@ -166,7 +166,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
 def fill_ring_flags(qsl, seq, force, empty, rows: int, block_size: int | None) -> None:
     """Rows 0..rows-1 of the flag buffers for this step, from `query_start_loc` and `seq_lens`
     (`block_size`: the prefix-cache block in align mode, else None; the formulas are in
-    _vendored/ring_flags.py). On CUDA one launch, where each torch op below would be one, paid
+    ops/ring_flags.py). On CUDA one launch, where each torch op below would be one, paid
     every step on the host; tests/test_ring_flags_interpret.py checks the two agree."""
     if force.is_cuda:
         lib.ring_flags(qsl, seq, force, empty, rows, block_size)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ._vendored.gdn_reference import L2NORM_EPS, compute_dtype_for, head_counts, pack_qkv, prepare_inputs
-from ._vendored.ring_reference import (
+from .ops.gdn_reference import L2NORM_EPS, compute_dtype_for, head_counts, pack_qkv, prepare_inputs
+from .ops.ring_reference import (
     check_ring,
     pack_cursor,
     replayed_state,

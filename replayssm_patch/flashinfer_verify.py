@@ -7,7 +7,7 @@ checkpoint, at entries n..n+W-1 of a slot's ring (tests/gpu/test_flashinfer_veri
 and measured 2.3-5.0x our verify kernel on an H200 (benchmarks/results/flashinfer_2026-12-04/).
 So it serves the verify step on our rings, and every other ring operation (commit, decode,
 materialise, reset) stays ours. What differs is bookkeeping, done around its launch by two
-small kernels (`_vendored/ucache.py`, one launch each; it had been ~30 torch ops per call,
+small kernels (`ops/ucache.py`, one launch each; it had been ~30 torch ops per call,
 the likely reason the step was slower end to end than with our kernel on 2026-12-04):
 
   * it takes the committed count per row (`hist_len`, at most 16) and leaves the commit to the
@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from . import _vendored as lib
+from . import ops as lib
 
 WINDOWS = (4, 8)  # its native windows (T + 1 tokens)
 RING_SLOTS = 32  # its rings' length (the ring tensors must have exactly this many entries)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels, shadow
-from ._vendored.gdn_reference import pack_qkv
+from .ops.gdn_reference import pack_qkv
 from .numerics import CPU_SPEC_NUMERICS, FLA_NUMERICS
 
 

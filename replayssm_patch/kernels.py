@@ -11,17 +11,17 @@ from collections import Counter
 
 import torch
 
-from . import _vendored as lib
+from . import ops as lib
 from . import cpu_ring
 from .numerics import FLA_NUMERICS, KernelNumerics
-from ._vendored import ring_reference as ref
+from .ops import ring_reference as ref
 
 counters: Counter = Counter()
 
 
 def gpu_kernels_available() -> tuple[bool, str]:
     try:
-        from ._vendored import decode, verify  # noqa: F401 (loading them initialises triton)
+        from .ops import decode, verify  # noqa: F401 (loading them initialises triton)
     except Exception as e:  # ImportError, or triton failing to initialise
         return False, f"{type(e).__name__}: {e}"
     return True, ""

@@ -347,7 +347,7 @@ def test_kernel_baseline_loads_either_package_layout(tmp_path):
 
     mod = _load("kernel_decode")
     new = tmp_path / "new"
-    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "_vendored"), new)
+    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "ops"), new)
     fn = mod.load_baseline(str(new))
     assert fn.__module__ == "baseline_kernels.decode" and fn.__name__ == "ring_decode"
     for name in [m for m in sys.modules if m.startswith("baseline_kernels")]:
@@ -370,7 +370,7 @@ def test_host_overhead_times_both_arms(tmp_path):
     import sys
 
     base = tmp_path / "base"
-    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "_vendored"), base)
+    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "ops"), base)
     out = tmp_path / "host.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_overhead.py"), "--baseline", str(base),
                     "--rows", "1,64", "--calls", "20", "--repeats", "2", "--tma", "--out", str(out)],

@@ -1,5 +1,5 @@
 """The package's import graph: no cycles between its modules (counting imports inside functions
-too), and the kernel package `_vendored` importing only torch, triton, the standard library and
+too), and the kernel package `ops` importing only torch, triton, the standard library and
 itself (it is meant to be lifted into other projects as it is)."""
 
 from __future__ import annotations
@@ -82,17 +82,17 @@ def test_kernel_package_imports_only_torch_and_triton():
     modules = _modules()
     allowed = {"torch", "triton"} | set(sys.stdlib_module_names)
     for name, path in modules.items():
-        if not name.startswith(f"{PKG}._vendored"):
+        if not name.startswith(f"{PKG}.ops"):
             continue
         inside, outside = _imports(name, path, modules)
         assert outside <= allowed, f"{name} imports {sorted(outside - allowed)}"
-        assert all(m.startswith(f"{PKG}._vendored") for m in inside), f"{name} imports {sorted(inside)}"
+        assert all(m.startswith(f"{PKG}.ops") for m in inside), f"{name} imports {sorted(inside)}"
 
 
 def test_the_graph_sees_known_edges():
     """The parser resolves relative and lazy imports (else the tests above would pass vacuously)."""
     modules = _modules()
-    assert f"{PKG}._vendored.decode_fused" in _imports(f"{PKG}._vendored.decode", modules[f"{PKG}._vendored.decode"],
+    assert f"{PKG}.ops.decode_fused" in _imports(f"{PKG}.ops.decode", modules[f"{PKG}.ops.decode"],
                                                         modules)[0]
     kernels = _imports(f"{PKG}.kernels", modules[f"{PKG}.kernels"], modules)[0]
-    assert {f"{PKG}._vendored", f"{PKG}._vendored.decode", f"{PKG}.cpu_ring"} <= kernels
+    assert {f"{PKG}.ops", f"{PKG}.ops.decode", f"{PKG}.cpu_ring"} <= kernels

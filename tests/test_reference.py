@@ -24,8 +24,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replayssm_patch._vendored.gdn_reference import head_counts, recurrent_decode_reference
-from replayssm_patch._vendored.ring_reference import (
+from replayssm_patch.ops.gdn_reference import head_counts, recurrent_decode_reference
+from replayssm_patch.ops.ring_reference import (
     check_ring,
     ring_commit_reference,
     ring_decode_reference,

@@ -1,4 +1,4 @@
-"""A step's per-row ring flags in one launch (`_vendored/ring_flags.py`, what the metadata builder
+"""A step's per-row ring flags in one launch (`ops/ring_flags.py`, what the metadata builder
 runs on CUDA) under TRITON_INTERPRET=1 on the CPU, against the torch ops the builder runs on the
 CPU (`backend.fill_ring_flags` with CPU tensors), and a hand check of the formulas.
 
@@ -23,7 +23,7 @@ from replayssm_patch.testing.interpreted import interpreted_test
 def check_flags(seed, block_size, dtype_name="int32", strided=False, device="cpu"):
     import torch
 
-    from replayssm_patch._vendored import ring_flags
+    from replayssm_patch.ops import ring_flags
     from replayssm_patch.backend import fill_ring_flags
 
     dtype = getattr(torch, dtype_name)
@@ -88,7 +88,7 @@ def case_no_align_strided():
 def case_rejects_bad_inputs():
     import torch
 
-    from replayssm_patch._vendored import ring_flags
+    from replayssm_patch.ops import ring_flags
     from replayssm_patch.testing.interpreted import refuses
 
     qsl, seq = torch.arange(5, dtype=torch.int32), torch.ones(4, dtype=torch.int32)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm_patch._vendored.gdn_reference import recurrent_decode_reference
-from replayssm_patch._vendored.ring_reference import (
+from replayssm_patch.ops.gdn_reference import recurrent_decode_reference
+from replayssm_patch.ops.ring_reference import (
     replayed_state,
     ring_commit_pending_reference,
     ring_spec_verify_reference,

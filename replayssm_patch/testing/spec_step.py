@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import intercept
-from .._vendored import pack_cursor
+from ..ops import pack_cursor
 
 H, HV, K, V, L, T, WIDTH = 2, 4, 16, 16, 16, 3, 4
 W = T + 1

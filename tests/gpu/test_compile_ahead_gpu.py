@@ -32,7 +32,7 @@ def count_compiles() -> dict:
     from triton import knobs
 
     from replayssm_patch import kernels
-    from replayssm_patch._vendored import ring_commit, ring_materialize, ring_reset
+    from replayssm_patch.ops import ring_commit, ring_materialize, ring_reset
     from replayssm_patch.layer import RingBuffers
 
     compiled = []

@@ -28,7 +28,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
 pytest.importorskip("triton")
 
 from replayssm_patch import flashinfer_verify, kernels  # noqa: E402
-from replayssm_patch._vendored import pack_cursor, unpack_cursor  # noqa: E402
+from replayssm_patch.ops import pack_cursor, unpack_cursor  # noqa: E402
 
 if flashinfer_verify._kernel()[0] is None:
     pytest.skip(f"FlashInfer's verify kernel does not import: {flashinfer_verify._kernel()[1]}",
