@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from .ops.commit_reference import ring_commit_pending_reference
+from .ops.cursor import pack_cursor, unpack_cursor
 from .ops.gdn_reference import L2NORM_EPS, compute_dtype_for, head_counts, pack_qkv, prepare_inputs
-from .ops.ring_reference import (
-    check_ring,
-    pack_cursor,
-    replayed_state,
-    ring_commit_pending_reference,
-    ring_materialize_reference,
-    unpack_cursor,
-)
+from .ops.materialize_reference import ring_materialize_reference
+from .ops.ring_state_reference import check_ring, replayed_state
 from .numerics import CPU_DECODE_NUMERICS
 
 
@@ -108,7 +104,7 @@ def ring_verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indice
                 ring_d, ring_k, ring_g, cursor, num_accepted, max_tokens, use_qk_l2norm=True,
                 l2norm_eps=L2NORM_EPS, counts=None):
     """One speculative step on CPU, with the call and semantics of the CUDA `ring_verify`
-    (`ring_reference.ring_spec_verify_reference`): commit each slot's previous window by
+    (`ops.verify_reference.ring_spec_verify_reference`): commit each slot's previous window by
     `num_accepted`, flush the rings a new window does not fit, then each row's outputs and its
     window's entries, pending in the packed `cursor` word. `l2norm_eps`: how the replaced
     kernel normalises q / k (vLLM's CPU MTP kernel: numerics.CPU_SPEC_NUMERICS). `counts` (a

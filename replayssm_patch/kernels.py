@@ -14,7 +14,6 @@ import torch
 from . import ops as lib
 from . import cpu_ring
 from .numerics import FLA_NUMERICS, KernelNumerics
-from .ops import ring_reference as ref
 
 counters: Counter = Counter()
 
@@ -34,7 +33,7 @@ def _cuda_numerics(numerics: KernelNumerics) -> None:
 
 def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ring, force_flush, start_empty,
            numerics: KernelNumerics = FLA_NUMERICS):
-    """One decode token per row through the ring (see ring_reference.ring_decode_reference).
+    """One decode token per row through the ring (see ops.decode_reference.ring_decode_reference).
     `numerics`: how the replaced vLLM kernel rounds (on CUDA only FLA_NUMERICS)."""
     if state.is_cuda:
         _cuda_numerics(numerics)  # refused before anything is counted or run
@@ -48,7 +47,7 @@ def decode(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ri
             force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
         )
     else:
-        result = ref.ring_decode_reference(
+        result = lib.ring_decode_reference(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices,
             ring.d, ring.k, ring.g, ring.cursor,
             force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
@@ -79,7 +78,7 @@ def materialize(state, ring, slots, start_empty=None):
     `start_empty` flag (one per entry of `slots`) is set drops its stale ring instead."""
     counters["materialize_calls"] += 1
     check_committed(ring, slots)
-    fn = lib.ring_materialize if state.is_cuda else ref.ring_materialize_reference
+    fn = lib.ring_materialize if state.is_cuda else lib.ring_materialize_reference
     fn(state, ring.d, ring.k, ring.g, ring.cursor, slots, start_empty)
 
 
@@ -102,12 +101,12 @@ def compile_ahead(state, ring, speculative: bool) -> None:
 def reset(ring, slots):
     """Empty the rings of `slots` (<= 0 ignored); the checkpoint is left as it is."""
     counters["reset_calls"] += 1
-    fn = lib.ring_reset if ring.cursor.is_cuda else ref.ring_reset_reference
+    fn = lib.ring_reset if ring.cursor.is_cuda else lib.ring_reset_reference
     fn(ring.cursor, slots)
 
 
 # --------------------------------------------------------------------------------------------
-# Speculative decoding: the cursor word holds `n | pending << 8` (ring_reference.pack_cursor), so a
+# Speculative decoding: the cursor word holds `n | pending << 8` (ops/cursor.py), so a
 # slot carries its uncommitted verify window between steps with no extra buffer.
 # --------------------------------------------------------------------------------------------
 
@@ -151,9 +150,9 @@ def commit(ring, slots, num_accepted):
     if ring.cursor.is_cuda:
         lib.ring_commit(ring.cursor, slots, num_accepted, L)
         return
-    n, pending = ref.unpack_cursor(ring.cursor)
-    ref.ring_commit_pending_reference(n, pending, slots, num_accepted, L)
-    ring.cursor.copy_(ref.pack_cursor(n, pending))
+    n, pending = lib.unpack_cursor(ring.cursor)
+    lib.ring_commit_pending_reference(n, pending, slots, num_accepted, L)
+    ring.cursor.copy_(lib.pack_cursor(n, pending))
 
 
 def check_committed(ring, slots):
@@ -161,5 +160,5 @@ def check_committed(ring, slots):
     if ring.cursor.is_cuda:
         return
     s = slots[slots > 0].long()
-    if s.numel() and bool(ref.unpack_cursor(ring.cursor[s])[1].any()):
+    if s.numel() and bool(lib.unpack_cursor(ring.cursor[s])[1].any()):
         raise RuntimeError(f"GDN ring: slots {s.tolist()} still hold an uncommitted verify window")

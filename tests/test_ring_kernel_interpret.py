@@ -219,7 +219,7 @@ def case_materialize_reset():
     import torch
 
     from replayssm_patch.ops import (ring_materialize, ring_materialize_reference, ring_reset,
-                                           ring_reset_reference)
+                                     ring_reset_reference)
 
     gen = torch.Generator().manual_seed(5)
     H, HV, K, V, L, slots = 2, 4, 32, 32, 5, 8
@@ -256,10 +256,8 @@ def case_compile_ahead_changes_nothing_and_slices_still_work():
     import torch
 
     from replayssm_patch import kernels
-    from replayssm_patch.ops import (ring_commit, ring_materialize, ring_materialize_reference, ring_reset,
-                                           ring_reset_reference)
-    from replayssm_patch.ops.ring_reference import (pack_cursor, ring_commit_pending_reference,
-                                                          unpack_cursor)
+    from replayssm_patch.ops import (pack_cursor, ring_commit, ring_commit_pending_reference, ring_materialize,
+                                     ring_materialize_reference, ring_reset, ring_reset_reference, unpack_cursor)
     from replayssm_patch.layer import RingBuffers
 
     gen = torch.Generator().manual_seed(11)

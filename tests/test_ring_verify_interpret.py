@@ -1,6 +1,6 @@
 """The Triton speculative-verify kernel under TRITON_INTERPRET=1 on the CPU, against float64.
 
-Ground truth is `ring_spec_verify_reference` (delayed commit + verify, `ring_reference`) run on
+Ground truth is `ring_spec_verify_reference` (delayed commit + verify, `verify_reference`) run on
 a float64 copy of the checkpoint (and of fp32 rings); the reference itself is tested against
 the plain sequential recurrence in tests/test_reference.py. As in test_ring_kernel_interpret.py,
 the checks run in ONE fresh subprocess (TRITON_INTERPRET must be set before triton is first

@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
+from .cursor import DECODE_MASK_C, TICKET_SHIFT_C
 from .decode_shared import use_pdl
 from .decode_two_phase import launch_prep
 from .launch import cdiv, num_sms
@@ -103,8 +104,8 @@ def _tma_main_kernel(
         slot = gl.load(idx + row * stride_idx).to(gl.int64)
         # Issue this tile's small loads before waiting for its checkpoint rows.
         info = gl.load(meta + row)
-        n = info & 0xFFFF
-        flush = (info >> 16) != 0
+        n = info & DECODE_MASK_C
+        flush = (info >> TICKET_SHIFT_C) != 0
         p_qk = qk + (row * H + i_h) * (2 * K)
         q = gl.load(p_qk + o_k)
         k = gl.load(p_qk + K + o_k)

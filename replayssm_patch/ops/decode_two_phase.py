@@ -9,7 +9,7 @@ byte than native's own decode. Scratch written by prep, read by main (fp32 unles
     qk    [N, H, 2, BK]   q (L2-normalised, scaled) and k (L2-normalised)
     coef  [N, HV, 4, LP]  row 0: w_j = exp(G_n - G_j), row 1: w_j (k_j . q), row 2: w_j (k_j . k)
                           (0 at j >= n); row 3: exp(G_n), alpha, beta, k . q at columns 0..3
-    meta  [N] int32       n | flush << 16
+    meta  [N] int32       n | flush << 16 (cursor.py)
     parts [N*H, 8, BK]    (decode_tma_tc only, 16-bit) q and k split into three numbers each, 2 zero rows
 
 The cursor is read only by prep and written only by main (one program per row), so the two
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .cursor import DECODE_MASK_C, TICKET_SHIFT_C
 from .decode_shared import block_v, rank_update_tc, row_cursor, use_pdl
 from .gdn_gates import gdn_beta, gdn_log_decay
 from .launch import cdiv, next_pow2
@@ -125,7 +126,7 @@ def _ring_prep_kernel(
         tl.store(ring_g + slot * slot_stride_g + hv * L + n, G_n + g, mask=m_g)
         tl.store(p_kr + n * K + o_k, k.to(ring_k.dtype.element_ty), mask=m_k)
     if i_h == 0:
-        tl.store(meta + row, n | (flush.to(tl.int32) << 16))
+        tl.store(meta + row, n | (flush.to(tl.int32) << TICKET_SHIFT_C))
 
 
 
@@ -171,8 +172,8 @@ def _ring_main_kernel(
         tl.extra.cuda.gdc_wait()
 
     info = tl.load(meta + row)
-    n = info & 0xFFFF
-    flush = (info >> 16) != 0
+    n = info & DECODE_MASK_C
+    flush = (info >> TICKET_SHIFT_C) != 0
     live = o_l < n
     p_qk = qk + (row * H + i_h) * (2 * BK) + o_k
     q = tl.load(p_qk)

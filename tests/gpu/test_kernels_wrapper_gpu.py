@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from replayssm_patch import kernels, numerics  # noqa: E402
-from replayssm_patch.ops.ring_reference import pack_cursor, unpack_cursor  # noqa: E402
+from replayssm_patch.ops.cursor import pack_cursor, unpack_cursor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
