@@ -249,7 +249,10 @@ def collect(tree: str, arch: int, out_dir: str, only: str) -> None:
         try:
             call()
         except Exception as e:  # e.g. a Gluon kernel this Triton release cannot compile
-            index.append({"case": label, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"})
+            root = e
+            while root.__cause__ is not None:  # a compile error's own text is the source excerpt
+                root = root.__cause__
+            index.append({"case": label, "error": f"{type(root).__name__}: {str(root).strip().splitlines()[0]}"})
             continue
         for name, module, k in captured:
             if k.hash in done:  # the same specialisation as an earlier case's: compared there
@@ -399,7 +402,7 @@ def main(argv=None):
                 for e in index["kernels"]:
                     e.pop("sass", None)
             with open(args.json, "w") as f:
-                json.dump({"base": base_label, "head": head_label, **indexes}, f, indent=1)
+                json.dump({"labels": {"base": base_label, "head": head_label}, **indexes}, f, indent=1)
     return 0 if ok else 1
 
 
