@@ -70,7 +70,7 @@ def install_compile_only_driver(arch: int):
 def let_tma_compile(arch: int) -> None:
     """The TMA form asks the GPU for its capability, occupancy and PDL; compile-only, answer
     for `arch` (the grid size does not change the code)."""
-    from replayssm_patch._vendored import decode, decode_tma, decode_tma_tc
+    from replayssm_patch.ops import decode, decode_tma, decode_tma_tc
 
     decode.tma_capable = lambda device: arch // 10 == 9
     decode_tma.programs_per_sm = lambda kernel, kernel_args, constexprs, device: 1
@@ -125,7 +125,7 @@ def main(argv=None):
     import triton
 
     compiled, tver = install_compile_only_driver(args.arch)
-    from replayssm_patch._vendored import DecodeLaunch, override_launch, ring_decode
+    from replayssm_patch.ops import DecodeLaunch, override_launch, ring_decode
 
     if any(name.startswith("tma_") for name in args.launches):
         let_tma_compile(args.arch)

@@ -62,7 +62,7 @@
 #   bash benchmarks/gpu_run.sh kbench [kernel_decode.py args]
 #   bash benchmarks/gpu_run.sh kab DIR [LABEL [TEST_REPORT]]   # the kernel benchmark once per ring
 #     dtype (bf16 ring: every state dtype; fp32 ring: fp32 state), each with the kernel package
-#     copied to DIR (e.g. `git archive COMMIT replayssm_patch/_vendored`) as a baseline arm, then
+#     copied to DIR (e.g. `git archive COMMIT replayssm_patch/ops`) as a baseline arm, then
 #     the verify kernel benchmark; to $OUT/kernel_decode{,_fp32ring}.{json,md}, kernel_spec.{json,md}
 #   bash benchmarks/gpu_run.sh probe      # what imports for Hopper kernel work, to $OUT/gpu_probe.json
 #   bash benchmarks/gpu_run.sh ncu BATCH STATE LAUNCH [HV]   # Nsight Compute (speed of light, occupancy,

@@ -110,7 +110,7 @@ def verify_args(rows: int, window: int, slots: int = 600):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", default=None, metavar="DIR", help="a copy of another commit's _vendored")
+    ap.add_argument("--baseline", default=None, metavar="DIR", help="a copy of another commit's kernel package")
     ap.add_argument("--rows", default="1,64,512")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
@@ -136,15 +136,15 @@ def main(argv=None):
     if args.verify_step:
         return verify_step_times(args)
 
-    import replayssm_patch._vendored as ours
+    import replayssm_patch.ops as ours
 
     if not args.cuda:
-        stub_kernels("replayssm_patch._vendored")
+        stub_kernels("replayssm_patch.ops")
     arms = {"ours": ours.ring_decode}
     if args.verify:
         arms["verify"] = ours.ring_verify
     if args.tma:
-        arms["ours_tma"] = tma_arm("replayssm_patch._vendored")
+        arms["ours_tma"] = tma_arm("replayssm_patch.ops")
     if args.baseline:
         import kernel_decode
 
@@ -278,7 +278,7 @@ def _write(args, rows_out, method, shape):
 
 
 def _tma_pick(rows: int) -> str:
-    from replayssm_patch._vendored.launch import pick_decode_launch
+    from replayssm_patch.ops.launch import pick_decode_launch
 
     return pick_decode_launch(rows, HV, torch.float32, torch.float32, L, "cpu", tma=True).name
 

@@ -27,11 +27,11 @@ torch copy, bytes read + written).
 
 Each cell also times the swept launches (SWEEP) of the same kernels, unless --no-sweep. After a
 run, `--rescore results.json` re-picks every cell's launch with the current table
-(`replayssm_patch._vendored.pick_decode_launch`) and takes its time from that run's sweep, so a
+(`replayssm_patch.ops.pick_decode_launch`) and takes its time from that run's sweep, so a
 table tuned on a run is reported from that run's measurements (no GPU needed, nothing re-measured).
 
 `--baseline DIR` adds a third arm in the same interleaved replays: the kernel package found in
-DIR (a copy of another commit's `replayssm_patch/_vendored`, e.g. from `git archive`), with its
+DIR (a copy of another commit's `replayssm_patch/ops`, e.g. from `git archive`), with its
 own launch table, on the same buffers. Its per-cell ratio (`vs_baseline` = baseline / ours time)
 is the same-run A/B a refactor of the kernels is judged by.
 
@@ -63,8 +63,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from replayssm_patch._vendored import DecodeLaunch, override_launch, pick_decode_launch, ring_decode  # noqa: E402
-from replayssm_patch._vendored.launch import tma_capable  # noqa: E402
+from replayssm_patch.ops import DecodeLaunch, override_launch, pick_decode_launch, ring_decode  # noqa: E402
+from replayssm_patch.ops.launch import tma_capable  # noqa: E402
 
 SHAPES = [("qwen3.5-122b", 16, 64), ("qwen3-next", 16, 32)]
 HEAD_DIM = 128
@@ -73,7 +73,7 @@ ACT_DTYPE = torch.bfloat16
 RING_DTYPE = torch.bfloat16
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 L = 16
-# Launches timed beside the table's pick (launch forms and settings: replayssm_patch._vendored.launch).
+# Launches timed beside the table's pick (launch forms and settings: replayssm_patch.ops.launch).
 # Forms and options tried and dropped are listed in docs/kernels.md, their numbers in
 # benchmarks/results/kernel_decode_sweep*.json and kernel_decode_sweeps_2026-12-01/.
 SWEEP = [DecodeLaunch("fused", bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4))] + [
@@ -597,7 +597,7 @@ def per_dtype_summary(rows):
 def rescore(path, test_report=None, note=None):
     """Re-pick each row's launch with the current table and take its time from the same run's
     sweep (no new measurement; every table entry must have been swept)."""
-    import replayssm_patch._vendored.launch as launch_table
+    import replayssm_patch.ops.launch as launch_table
 
     with open(path) as f:
         res = json.load(f)
@@ -761,7 +761,7 @@ def main(argv=None):
                     help="time these launches (DecodeLaunch.name, in SWEEP or not) instead of SWEEP beside "
                          "the table's pick")
     ap.add_argument("--baseline", default=None, metavar="DIR",
-                    help="a copy of another commit's replayssm_patch/_vendored: timed as a third arm")
+                    help="a copy of another commit's replayssm_patch/ops: timed as a third arm")
     ap.add_argument("--baseline-label", default="baseline", help="what --baseline is (kept in the results)")
     ap.add_argument("--json-name", default="kernel_decode", help="results file stem in --out-dir")
     ap.add_argument("--flashinfer", action="store_true",

@@ -65,7 +65,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from replayssm_patch._vendored import VerifyLaunch, override_launch, ring_verify  # noqa: E402
+from replayssm_patch.ops import VerifyLaunch, override_launch, ring_verify  # noqa: E402
 
 H, HV, HEAD = 16, 32, 128
 STATE_DTYPE = torch.float32

@@ -6,7 +6,7 @@
         --launches fused_bv32_w1 two_phase_bv8_w1
 
 Arms: vLLM's native packed decode, then ours with each given launch (by DecodeLaunch.name; see
-replayssm_patch._vendored.launch). Each arm runs twice (the first call compiles); profile the
+replayssm_patch.ops.launch). Each arm runs twice (the first call compiles); profile the
 second (ncu --launch-skip / -k filters).
 """
 

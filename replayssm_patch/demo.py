@@ -24,8 +24,9 @@ import time
 
 import torch
 
-from replayssm_patch._vendored.gdn_reference import recurrent_decode_reference
-from replayssm_patch._vendored.ring_reference import ring_decode_reference, ring_materialize_reference
+from replayssm_patch.ops.gdn_reference import recurrent_decode_reference
+from replayssm_patch.ops.decode_reference import ring_decode_reference
+from replayssm_patch.ops.materialize_reference import ring_materialize_reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

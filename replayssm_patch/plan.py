@@ -198,9 +198,9 @@ def _limits(vllm_config, dims, state_dtype, platform: str) -> list[Reason]:
     if mode not in ("none", "align"):
         out.append(f"mamba_cache_mode={mode!r} (supported: 'none', 'align')")
     if platform == "cuda":
-        from .ring.runtime import cuda_kernels_available
+        from .ops import kernels_available
 
-        ok, why = cuda_kernels_available()
+        ok, why = kernels_available()
         if not ok:
             out.append(f"ring kernel unavailable: {why}")
     elif platform != "cpu":

@@ -343,7 +343,7 @@ def test_kernel_baseline_loads_either_package_layout(tmp_path):
 
     mod = _load("kernel_decode")
     new = tmp_path / "new"
-    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "_vendored"), new)
+    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "ops"), new)
     fn = mod.load_baseline(str(new))
     assert fn.__module__ == "baseline_kernels.decode" and fn.__name__ == "ring_decode"
     for name in [m for m in sys.modules if m.startswith("baseline_kernels")]:
@@ -366,7 +366,7 @@ def test_host_overhead_times_both_arms(tmp_path):
     import sys
 
     base = tmp_path / "base"
-    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "_vendored"), base)
+    shutil.copytree(os.path.join(ROOT, "replayssm_patch", "ops"), base)
     out = tmp_path / "host.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_overhead.py"), "--baseline", str(base),
                     "--rows", "1,64", "--calls", "20", "--repeats", "2", "--tma", "--out", str(out)],
@@ -658,3 +658,31 @@ def test_capacity_echo_weights_on_vllm_cpu(capacity_cpu_run):
     for k, rate in enumerate(s["acceptance_per_position_native"], start=1):
         assert abs(rate - 0.8 ** k) < 0.12, s["acceptance_per_position_native"]
     assert 0.5 < s["acceptance_native"] < 0.8
+
+
+def test_sass_compare_matches_kernels_and_flags_every_difference(tmp_path):
+    """sass_compare's comparison (no compiler needed): the kernel's name is normalised away; a
+    changed instruction, a changed register count, a kernel compiled in one copy only and a case
+    that failed in one copy only all fail the comparison; a case failing in both is a note."""
+    mod = _load("sass_compare")
+    listing = "Function : _k\n        /*0000*/   MOV R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */\n"
+    assert mod.normalise(listing, "_k") == "Function : <kernel>\n/*0000*/ MOV R1, c[0x0][0x28] ; /* 0x00000a00ff017b82 */\n"
+
+    def entry(case, text, reg=40):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.sass"
+        path.write_text(text)
+        return {"case": case, "kernel": "_k", "module": "verify", "sass": str(path), "sha256": text, "instructions": 1,
+                "reg": reg, "shared": 0}
+
+    def index(*entries):
+        return {"triton": "3.6.0", "kernels": list(entries)}
+
+    same = index(entry("a", "x\n"), {"case": "tma", "error": "CompilationError: gone"})
+    rows, notes, ok = mod.compare(same, index(entry("a", "x\n"), {"case": "tma", "error": "CompilationError: gone"}))
+    assert ok and [r[-1] for r in rows] == ["identical"] and notes == ["not compiled in either copy: tma "
+                                                                      "(CompilationError: gone)"]
+    for head in (index(entry("a", "y\n")), index(entry("a", "x\n", reg=41)), index(), index(entry("a", "x\n"),
+                 entry("b", "x\n")), index(entry("a", "x\n"), {"case": "c", "error": "E: e"})):
+        assert not mod.compare(index(entry("a", "x\n")), head)[2], head
+    text, ok = mod.report("main", "ops", 90, same, same)
+    assert ok and "1 kernel specialisations of 1 kernels compared: 1 identical, 0 different." in text

@@ -1,6 +1,7 @@
 """The package's import graph: no cycles between its modules (counting imports inside functions
-too), and the kernel package `_vendored` importing only torch, triton, the standard library and
-itself (it is meant to be lifted into other projects as it is)."""
+too), and the kernel package `ops` importing only torch, triton, the standard library and
+itself (it is meant to be lifted into other projects as it is); the cursor word's bit layout
+spelled out only in ops/cursor.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "replayssm_patch"
+OPS = f"{PKG}.ops"
+
+
+def _in_ops(name: str) -> bool:
+    return name == OPS or name.startswith(OPS + ".")
 
 
 def _modules() -> dict[str, str]:
@@ -82,20 +88,41 @@ def test_kernel_package_imports_only_torch_and_triton():
     modules = _modules()
     allowed = {"torch", "triton"} | set(sys.stdlib_module_names)
     for name, path in modules.items():
-        if not name.startswith(f"{PKG}._vendored"):
+        if not _in_ops(name):
             continue
         inside, outside = _imports(name, path, modules)
         assert outside <= allowed, f"{name} imports {sorted(outside - allowed)}"
-        assert all(m.startswith(f"{PKG}._vendored") for m in inside), f"{name} imports {sorted(inside)}"
+        assert all(_in_ops(m) for m in inside), f"{name} imports {sorted(inside)}"
+
+
+def test_cursor_bits_only_in_cursor_module():
+    """No kernel or launcher of `ops` spells the cursor word's fields itself (masks 0xFF /
+    0xFFFF, shifts by 8 / 16, the ticket 1 << 16, the 16-bit limit): they use ops/cursor.py's
+    names."""
+    def constant(node, values):
+        return isinstance(node, ast.Constant) and type(node.value) is int and node.value in values
+
+    found = []
+    for name, path in _modules().items():
+        if not _in_ops(name) or name == f"{OPS}.cursor":
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            mask = (isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitAnd)
+                    and (constant(node.left, (0xFF, 0xFFFF)) or constant(node.right, (0xFF, 0xFFFF))))
+            shift = (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.LShift, ast.RShift))
+                     and constant(node.right, (8, 16)))
+            if mask or shift or constant(node, (0xFFFF,)):
+                found.append(f"{name}:{node.lineno}")
+    assert not found, f"cursor bit operations outside ops/cursor.py: {found}"
 
 
 def test_the_graph_sees_known_edges():
     """The parser resolves relative and lazy imports (else the tests above would pass vacuously)."""
     modules = _modules()
-    assert f"{PKG}._vendored.decode_fused" in _imports(f"{PKG}._vendored.decode", modules[f"{PKG}._vendored.decode"],
-                                                        modules)[0]
+    assert f"{OPS}.decode_fused" in _imports(f"{OPS}.decode", modules[f"{OPS}.decode"], modules)[0]
+    assert {f"{OPS}.commit", f"{OPS}.cursor"} <= _imports(f"{OPS}.verify", modules[f"{OPS}.verify"], modules)[0]
     runtime = _imports(f"{PKG}.ring.runtime", modules[f"{PKG}.ring.runtime"], modules)[0]
-    assert {f"{PKG}._vendored", f"{PKG}._vendored.ring_reference", f"{PKG}.ring.cpu"} <= runtime
+    assert {OPS, f"{OPS}.decode_reference", f"{PKG}.ring.cpu"} <= runtime
 
 
 MAX_DEPTH = 7

@@ -57,7 +57,7 @@ def test_cpu_verify_counts_commits_windows_and_flushes():
     fits); slot 3 has no window; the NULL row counts nothing."""
     from collections import Counter
 
-    from replayssm_patch._vendored.ring_reference import pack_cursor
+    from replayssm_patch.ops.cursor import pack_cursor
 
     H, HV, K, V, L, slots = 1, 2, 16, 16, 8, 4
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The kernels' launch selection (replayssm_patch._vendored.launch): the table's picks, the
+"""The kernels' launch selection (replayssm_patch.ops.launch): the table's picks, the
 launch records' checks and the override block. Pure Python: nothing is launched."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from replayssm_patch._vendored import launch as lt  # noqa: E402
-from replayssm_patch._vendored.launch import DecodeLaunch, VerifyLaunch, override_launch  # noqa: E402
+from replayssm_patch.ops import launch as lt  # noqa: E402
+from replayssm_patch.ops.launch import DecodeLaunch, VerifyLaunch, override_launch  # noqa: E402
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 CUDA = torch.device("cuda", 0)
@@ -216,7 +216,7 @@ def test_override_stays_in_its_thread(h200):
 
 
 def test_package_exports_load_lazily():
-    import replayssm_patch._vendored as lib
+    import replayssm_patch.ops as lib
 
     for name in lib.__all__:
         assert getattr(lib, name) is not None
@@ -227,7 +227,7 @@ def test_package_exports_load_lazily():
 def test_tma_launch_refused_with_a_reason_where_it_cannot_run():
     """An override naming the TMA form off Hopper fails with the launch's name and what the form
     needs, before anything is launched or imported from Gluon."""
-    from replayssm_patch._vendored import ring_decode
+    from replayssm_patch.ops import ring_decode
 
     H, HV, K, L, N = 1, 2, 16, 4, 2
     qkv = torch.zeros(N, 2 * H * K + HV * K)
@@ -242,7 +242,7 @@ def test_tma_launch_refused_with_a_reason_where_it_cannot_run():
 def test_tma_launch_refused_for_a_checkpoint_it_cannot_address(monkeypatch):
     """Where the form runs, an override naming it for a checkpoint it cannot address (V not a
     multiple of block_v) is refused with what it needs; nothing is launched."""
-    from replayssm_patch._vendored import decode, ring_decode
+    from replayssm_patch.ops import decode, ring_decode
 
     monkeypatch.setattr(decode, "tma_capable", lambda device: True)
     H, HV, K, V, L, N = 1, 2, 16, 24, 4, 2
@@ -260,7 +260,7 @@ def test_tensor_core_matvec_launch_refused_for_an_fp32_state_or_small_k(monkeypa
     """The tensor-core mat-vecs take the checkpoint as 16-bit MMA operands, two MMA steps of 16
     keys at least: an override naming them for an fp32 state or K = 16 is refused with the
     launch's name and what it needs."""
-    from replayssm_patch._vendored import decode, ring_decode
+    from replayssm_patch.ops import decode, ring_decode
 
     monkeypatch.setattr(decode, "tma_capable", lambda device: True)
     H, HV, K, L, N = 1, 2, 16, 4, 2

@@ -24,15 +24,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replayssm_patch._vendored.gdn_reference import head_counts, recurrent_decode_reference
-from replayssm_patch._vendored.ring_reference import (
-    check_ring,
-    ring_commit_reference,
-    ring_decode_reference,
-    ring_materialize_reference,
-    ring_reset_reference,
-    ring_verify_reference,
-)
+from replayssm_patch.ops.commit_reference import ring_commit_reference
+from replayssm_patch.ops.decode_reference import ring_decode_reference
+from replayssm_patch.ops.gdn_reference import head_counts, recurrent_decode_reference
+from replayssm_patch.ops.materialize_reference import ring_materialize_reference, ring_reset_reference
+from replayssm_patch.ops.ring_state_reference import check_ring
+from replayssm_patch.ops.verify_reference import ring_verify_reference
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 

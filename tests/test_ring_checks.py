@@ -1,4 +1,4 @@
-"""The launchers' ring checks (`_vendored.ring_checks.ring_geometry`): the answer is remembered
+"""The launchers' ring checks (`ops.ring_checks.ring_geometry`): the answer is remembered
 per layout, and a remembered layout never lets another one through unchecked."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from replayssm_patch._vendored import ring_checks  # noqa: E402
-from replayssm_patch._vendored.ring_checks import ring_geometry  # noqa: E402
+from replayssm_patch.ops import ring_checks  # noqa: E402
+from replayssm_patch.ops.ring_checks import ring_geometry  # noqa: E402
 
 SLOTS, H, HV, K, V, L = 6, 2, 4, 16, 32, 8
 

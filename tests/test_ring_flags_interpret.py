@@ -1,6 +1,6 @@
-"""A step's per-row ring flags in one launch (`_vendored/ring_flags.py`, what the metadata builder
+"""A step's per-row ring flags in one launch (`ops/ring_flags.py`, what the metadata builder
 runs on CUDA) under TRITON_INTERPRET=1 on the CPU, against the torch ops the builder runs on the
-CPU (`ring.runtime.CpuRingOps.fill_flags`), and a hand check of the formulas.
+CPU (`ring.flags.fill_flags` on CPU tensors), and a hand check of the formulas.
 
 Fresh random steps: decode rows (one token) and prefill chunks (several), some rows starting at
 zero computed tokens, sequence lengths at, before and after block boundaries, padding rows (no
@@ -23,10 +23,8 @@ from replayssm_patch.testing.interpreted import interpreted_test
 def check_flags(seed, block_size, dtype_name="int32", strided=False, device="cpu"):
     import torch
 
-    from replayssm_patch._vendored import ring_flags
-    from collections import Counter
-
-    from replayssm_patch.ring.runtime import CpuRingOps
+    from replayssm_patch.ops import ring_flags
+    from replayssm_patch.ring.flags import fill_flags
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
@@ -50,7 +48,7 @@ def check_flags(seed, block_size, dtype_name="int32", strided=False, device="cpu
     qsl_view, seq_view = qsl_buf[::step][:rows + 1], seq_buf[::step][:rows]
     want_force = torch.full((rows + spare,), 7, dtype=torch.int8)
     want_empty = torch.full((rows + spare,), 7, dtype=torch.int8)
-    CpuRingOps(Counter()).fill_flags(qsl_view, seq_view, want_force, want_empty, rows, block_size)  # the builder's CPU ops
+    fill_flags(qsl_view, seq_view, want_force, want_empty, rows, block_size)  # the builder's CPU ops
     # the formulas by hand, for the rows the draw made sure of
     assert (want_empty[:rows][computed == 0] == 1).all() and (want_force[rows:] == 7).all()
     if block_size:
@@ -90,7 +88,7 @@ def case_no_align_strided():
 def case_rejects_bad_inputs():
     import torch
 
-    from replayssm_patch._vendored import ring_flags
+    from replayssm_patch.ops import ring_flags
     from replayssm_patch.testing.interpreted import refuses
 
     qsl, seq = torch.arange(5, dtype=torch.int32), torch.ones(4, dtype=torch.int32)

@@ -48,7 +48,7 @@ def _run_cycles(
 ):
     import torch
 
-    from replayssm_patch._vendored import override_launch, ring_decode, ring_decode_reference
+    from replayssm_patch.ops import override_launch, ring_decode, ring_decode_reference
 
     gen = torch.Generator().manual_seed(seed)
     slots = 2 * L + 3
@@ -122,7 +122,7 @@ def _run_cycles(
 
 
 def _launch(form, block_v, **kw):
-    from replayssm_patch._vendored import DecodeLaunch
+    from replayssm_patch.ops import DecodeLaunch
 
     return DecodeLaunch(form, block_v, **kw)
 
@@ -218,7 +218,7 @@ def case_replay_two_phase_bf16_strided_gqa3_no_l2norm():
 def case_materialize_reset():
     import torch
 
-    from replayssm_patch._vendored import (ring_materialize, ring_materialize_reference, ring_reset,
+    from replayssm_patch.ops import (ring_materialize, ring_materialize_reference, ring_reset,
                                            ring_reset_reference)
 
     gen = torch.Generator().manual_seed(5)
@@ -257,10 +257,8 @@ def case_compile_ahead_changes_nothing_and_slices_still_work():
 
     from collections import Counter
 
-    from replayssm_patch._vendored import (ring_commit, ring_materialize, ring_materialize_reference, ring_reset,
-                                           ring_reset_reference)
-    from replayssm_patch._vendored.ring_reference import (pack_cursor, ring_commit_pending_reference,
-                                                          unpack_cursor)
+    from replayssm_patch.ops import (pack_cursor, ring_commit, ring_commit_pending_reference, ring_materialize,
+                                     ring_materialize_reference, ring_reset, ring_reset_reference, unpack_cursor)
     from replayssm_patch.ring.runtime import CudaRingOps, RingBuffers
 
     gen = torch.Generator().manual_seed(11)
@@ -303,7 +301,7 @@ def case_materialize_drops_start_empty_rows():
     0, checkpoint bit-identical), while the other rows flush as usual."""
     import torch
 
-    from replayssm_patch._vendored import ring_materialize, ring_materialize_reference
+    from replayssm_patch.ops import ring_materialize, ring_materialize_reference
 
     gen = torch.Generator().manual_seed(6)
     H, HV, K, V, L, slots = 1, 2, 16, 16, 4, 6
@@ -347,7 +345,7 @@ def case_tc_flush_two_phase_fp32_state_start_empty():
 def case_tc_flush_refused_where_it_cannot_run():
     import torch
 
-    from replayssm_patch._vendored import DecodeLaunch, override_launch, pick_decode_launch, ring_decode
+    from replayssm_patch.ops import DecodeLaunch, override_launch, pick_decode_launch, ring_decode
 
     H, HV, K, V, slots, N = 1, 2, 16, 16, 3, 2
     for L, rdt, BV in ((16, torch.bfloat16, 16), (16, torch.float32, 16), (8, torch.float16, 16),
@@ -374,7 +372,7 @@ def case_tc_flush_refused_where_it_cannot_run():
 def case_rejects_bad_inputs():
     import torch
 
-    from replayssm_patch._vendored import ring_decode
+    from replayssm_patch.ops import ring_decode
 
     H, HV, K, V, L, slots, N = 1, 2, 16, 16, 4, 3, 2
     args = dict(

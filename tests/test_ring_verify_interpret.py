@@ -1,6 +1,6 @@
 """The Triton speculative-verify kernel under TRITON_INTERPRET=1 on the CPU, against float64.
 
-Ground truth is `ring_spec_verify_reference` (delayed commit + verify, `ring_reference`) run on
+Ground truth is `ring_spec_verify_reference` (delayed commit + verify, `verify_reference`) run on
 a float64 copy of the checkpoint (and of fp32 rings); the reference itself is tested against
 the plain sequential recurrence in tests/test_reference.py. As in test_ring_kernel_interpret.py,
 the checks run in ONE fresh subprocess (TRITON_INTERPRET must be set before triton is first
@@ -37,7 +37,7 @@ def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_sta
     `verify`: the implementation under test, called as `ring_verify` is (default: the Triton kernel)."""
     import torch
 
-    from replayssm_patch._vendored import (
+    from replayssm_patch.ops import (
         override_launch,
         pack_cursor,
         ring_commit,
@@ -162,7 +162,7 @@ def _run_spec(*, H, HV, K, V, L, T, sdt, rdt, adt, steps, seed, tol_out, tol_sta
 
 
 def _blocks_of_16():
-    from replayssm_patch._vendored import VerifyLaunch
+    from replayssm_patch.ops import VerifyLaunch
 
     return VerifyLaunch(block_v=16, num_warps=4)
 
@@ -195,7 +195,7 @@ def case_bf16_state_bf16_ring_t1():
 def case_rejects_bad_inputs():
     import torch
 
-    from replayssm_patch._vendored import ring_commit, ring_verify
+    from replayssm_patch.ops import ring_commit, ring_verify
 
     H, HV, K, V, L, slots, N, ntok = 1, 2, 16, 16, 8, 3, 2, 5
     args = dict(

@@ -11,12 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm_patch._vendored.gdn_reference import recurrent_decode_reference
-from replayssm_patch._vendored.ring_reference import (
-    replayed_state,
-    ring_commit_pending_reference,
-    ring_spec_verify_reference,
-)
+from replayssm_patch.ops.commit_reference import ring_commit_pending_reference
+from replayssm_patch.ops.gdn_reference import recurrent_decode_reference
+from replayssm_patch.ops.ring_state_reference import replayed_state
+from replayssm_patch.ops.verify_reference import ring_spec_verify_reference
 
 F64 = torch.float64
 

@@ -1,4 +1,4 @@
-"""The ring bookkeeping around FlashInfer's verify kernel (`_vendored/ucache.py`) under
+"""The ring bookkeeping around FlashInfer's verify kernel (`ops/ucache.py`) under
 TRITON_INTERPRET=1 on the CPU, against torch.
 
 The reference is the same bookkeeping written as torch ops (what `flashinfer_verify` ran before
@@ -28,7 +28,7 @@ LIVE, L = 16, 32
 def _prepare_reference(cursor, slots, acc):
     import torch
 
-    from replayssm_patch._vendored import pack_cursor, ring_commit_pending_reference, unpack_cursor
+    from replayssm_patch.ops import pack_cursor, ring_commit_pending_reference, unpack_cursor
 
     n, pending = unpack_cursor(cursor)
     ring_commit_pending_reference(n, pending, slots, acc, L)
@@ -42,7 +42,7 @@ def _prepare_reference(cursor, slots, acc):
 def _finish_reference(d, k, g, cursor, rows_slot, hist, window):
     import torch
 
-    from replayssm_patch._vendored import pack_cursor
+    from replayssm_patch.ops import pack_cursor
 
     rows = rows_slot.shape[0]
     folded = hist >= LIVE - window + 1
@@ -70,7 +70,7 @@ def _paged(slots, shape, dtype, gen, device):
 def _check_prepare(seed, with_acc, device="cpu"):
     import torch
 
-    from replayssm_patch._vendored import pack_cursor, ucache_prepare
+    from replayssm_patch.ops import pack_cursor, ucache_prepare
 
     gen = torch.Generator().manual_seed(seed)
     nslots, window = 40, 4
@@ -110,7 +110,7 @@ def case_prepare_drops_windows_without_counts():
 def _check_finish(seed, window, device="cpu"):
     import torch
 
-    from replayssm_patch._vendored import ucache_finish
+    from replayssm_patch.ops import ucache_finish
 
     gen = torch.Generator().manual_seed(seed)
     nslots, H, HV, K, V = 12, 2, 4, 128, 128
@@ -146,7 +146,7 @@ def case_prepare_outputs_aligned():
     """FlashInfer assumes 16-byte aligned int32 row tensors: every row count gets them."""
     import torch
 
-    from replayssm_patch._vendored import ucache_prepare
+    from replayssm_patch.ops import ucache_prepare
 
     cursor = torch.zeros(16, dtype=torch.int32)
     for rows in range(1, 10):
@@ -162,7 +162,7 @@ def case_prepare_outputs_aligned():
 def case_rejects_bad_inputs():
     import torch
 
-    from replayssm_patch._vendored import ucache_finish, ucache_prepare
+    from replayssm_patch.ops import ucache_finish, ucache_prepare
     from replayssm_patch.testing.interpreted import refuses
 
     cursor = torch.zeros(8, dtype=torch.int32)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm_patch._vendored.gdn_reference import CPU_L2NORM_EPS, stepwise_sigmoid
-from replayssm_patch._vendored.ring_reference import ring_decode_reference
+from replayssm_patch.ops.gdn_reference import CPU_L2NORM_EPS, stepwise_sigmoid
+from replayssm_patch.ops.decode_reference import ring_decode_reference
 from replayssm_patch.testing import require_vllm
 
 pytestmark = pytest.mark.vllm

@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from .._vendored.gdn_reference import L2NORM_EPS, compute_dtype_for, head_counts, pack_qkv, prepare_inputs
-from .._vendored.ring_reference import (
-    check_ring,
-    pack_cursor,
-    replayed_state,
-    ring_commit_pending_reference,
-    ring_materialize_reference,
-    unpack_cursor,
-)
+from ..ops.commit_reference import ring_commit_pending_reference
+from ..ops.cursor import pack_cursor, unpack_cursor
+from ..ops.gdn_reference import L2NORM_EPS, compute_dtype_for, head_counts, pack_qkv, prepare_inputs
+from ..ops.materialize_reference import ring_materialize_reference
+from ..ops.ring_state_reference import check_ring, replayed_state
 from .numerics import CPU_DECODE_NUMERICS
 
 

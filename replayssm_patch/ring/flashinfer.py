@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from .. import _vendored as lib
+from .. import ops as lib
 
 WINDOWS = (4, 8)  # its native windows (T + 1 tokens)
 RING_SLOTS = 32  # its rings' length (the ring tensors must have exactly this many entries)

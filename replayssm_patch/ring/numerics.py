@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._vendored import gdn_reference as ref_gdn
+from ..ops import gdn_reference as ref_gdn
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _vendored as lib
-from .._vendored import ring_reference as ref
+from .. import ops as lib
+from ..ops.commit_reference import ring_commit_pending_reference
+from ..ops.cursor import pack_cursor, unpack_cursor
+from ..ops.decode_reference import ring_decode_reference
+from ..ops.materialize_reference import ring_materialize_reference, ring_reset_reference
 from . import cpu
 from .numerics import FLA_NUMERICS, KernelNumerics
 
@@ -32,7 +35,7 @@ class RingBuffers:
 
 def cuda_kernels_available() -> tuple[bool, str]:
     try:
-        from .._vendored import decode, verify  # noqa: F401 (loading them initialises triton)
+        from ..ops import decode, verify  # noqa: F401 (loading them initialises triton)
     except Exception as e:  # ImportError, or triton failing to initialise
         return False, f"{type(e).__name__}: {e}"
     return True, ""
@@ -90,10 +93,6 @@ class CudaRingOps:
         self.stats["commit_calls"] += 1
         lib.ring_commit(ring.cursor, slots, num_accepted, ring.g.shape[-1])
 
-    def fill_flags(self, qsl, seq, force, empty, rows: int, block_size: int | None) -> None:
-        """A step's per-row flags (ops' ring_flags: one launch where torch would take several)."""
-        lib.ring_flags(qsl, seq, force, empty, rows, block_size)
-
     def compile_ahead(self, state, ring, speculative: bool) -> None:
         """Compile the maintenance kernels now, at KV-cache binding: vLLM first calls them at a
         prefill, after its JIT monitor is on (a latency spike, a warning, an error under
@@ -121,7 +120,7 @@ class CpuRingOps:
         self.stats["decode_calls"] += 1
         self._check_committed(ring, state_indices[: mixed_qkv.shape[0]])
         self.stats["decode_rows"] += int(mixed_qkv.shape[0])
-        result = ref.ring_decode_reference(
+        result = ring_decode_reference(
             mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, ring.d, ring.k, ring.g, ring.cursor,
             force_flush=force_flush, start_empty=start_empty, use_qk_l2norm=True,
             beta_rounding=b.dtype if numerics.beta_in_input_dtype else None, l2norm_eps=numerics.l2norm_eps)
@@ -143,11 +142,11 @@ class CpuRingOps:
     def materialize(self, state, ring, slots, start_empty=None):
         self.stats["materialize_calls"] += 1
         self._check_committed(ring, slots)
-        ref.ring_materialize_reference(state, ring.d, ring.k, ring.g, ring.cursor, slots, start_empty)
+        ring_materialize_reference(state, ring.d, ring.k, ring.g, ring.cursor, slots, start_empty)
 
     def reset(self, ring, slots):
         self.stats["reset_calls"] += 1
-        ref.ring_reset_reference(ring.cursor, slots)
+        ring_reset_reference(ring.cursor, slots)
 
     def verify(self, mixed_qkv, a, b, A_log, dt_bias, scale, state, out, state_indices, cu_seqlens, ring,
                num_accepted, window, numerics: KernelNumerics = FLA_NUMERICS, flashinfer: bool = False):
@@ -163,20 +162,9 @@ class CpuRingOps:
 
     def commit(self, ring, slots, num_accepted):
         self.stats["commit_calls"] += 1
-        n, pending = ref.unpack_cursor(ring.cursor)
-        ref.ring_commit_pending_reference(n, pending, slots, num_accepted, ring.g.shape[-1])
-        ring.cursor.copy_(ref.pack_cursor(n, pending))
-
-    def fill_flags(self, qsl, seq, force, empty, rows: int, block_size: int | None) -> None:
-        """A step's per-row flags, as ops' ring_flags computes them (tests/test_ring_flags_interpret.py)."""
-        computed = seq - (qsl[1:] - qsl[:-1])  # tokens computed before this step
-        force, empty = force[:rows], empty[:rows]
-        if block_size is None:
-            force.zero_()
-            empty.copy_(computed == 0)
-        else:
-            force.copy_(torch.remainder(seq, block_size) == 0)
-            empty.copy_(torch.remainder(computed, block_size) == 0)
+        n, pending = unpack_cursor(ring.cursor)
+        ring_commit_pending_reference(n, pending, slots, num_accepted, ring.g.shape[-1])
+        ring.cursor.copy_(pack_cursor(n, pending))
 
     def compile_ahead(self, state, ring, speculative: bool) -> None:
         """Nothing to compile on CPU."""
@@ -185,7 +173,7 @@ class CpuRingOps:
     def _check_committed(ring, slots):
         """A path that reads the plain cursor must not meet a pending verify window."""
         s = slots[slots > 0].long()
-        if s.numel() and bool(ref.unpack_cursor(ring.cursor[s])[1].any()):
+        if s.numel() and bool(unpack_cursor(ring.cursor[s])[1].any()):
             raise RuntimeError(f"GDN ring: slots {s.tolist()} still hold an uncommitted verify window")
 
 

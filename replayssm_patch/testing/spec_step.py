@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .._vendored import pack_cursor
+from ..ops.cursor import pack_cursor
 from ..ring.call import RingCall, ring_call
 from ..ring.runtime import ops_for
 from ..vllm import sigmoid_update

@@ -222,10 +222,13 @@ def points_for(platform: str) -> tuple[PatchPoint, ...]:
 
 
 def run_probes(read_source: Callable[[str], str | None] = installed_source, cpu: bool = False) -> list[str]:
-    """The failed probes of this platform's points (empty: all look as expected); `read_source(path)`
-    gives a vLLM source file's text (the installed one, or a released wheel's)."""
+    """The failed probes of this platform's required points (empty: all look as expected; a point
+    that is not required applies only where its vLLM has it); `read_source(path)` gives a vLLM
+    source file's text (the installed one, or a released wheel's)."""
     failures, trees = [], {}
     for point in points_for("cpu" if cpu else "cuda"):
+        if not point.required:
+            continue
         for probe in point.probes:
             if probe.path not in trees:
                 text = read_source(probe.path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._vendored.gdn_reference import pack_qkv
+from ..ops.gdn_reference import pack_qkv
 from ..ring.call import call_for, ring_aware, spec_slots
 from ..ring.numerics import CPU_SPEC_NUMERICS
 

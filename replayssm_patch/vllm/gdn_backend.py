@@ -3,13 +3,7 @@ KV-cache spec, metadata, builder and backend class.
 
 The layer's spec (`RingMambaSpec`) carries the plan to the builder. The builder runs vLLM's own
 GDN builder, then adds per-row ring flags computed on the device from `seq_lens` and
-`query_start_loc` (exact under async scheduling, no host sync):
-
-  ring_force_flush  the step completes a prefix-cache block (align mode): the ring must be
-                    empty at every block boundary, because vLLM moves only conv and SSM
-                    state between blocks;
-  ring_start_empty  the row starts a new block (align) or has no prior state: its slot's
-                    state was put there without a ring, so any cursor there is stale.
+`query_start_loc` (exact under async scheduling, no host sync; ring.flags says what they mean).
 
 The flags live in persistent buffers, so FULL CUDA graphs replay with fresh values. It also
 decides, once per step, whether the step's plain decode rows go through the ring at all
@@ -36,7 +30,7 @@ from vllm.v1.attention.backends.gdn_attn import (
 )
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..ring.runtime import ops_for
+from ..ring.flags import fill_flags
 from ..state import STATE
 from . import metadata_reuse
 
@@ -82,7 +76,6 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.align = vllm_config.cache_config.mamba_cache_mode == "align"
         self.block_size = kv_cache_spec.block_size
         self.min_batch = plan.min_batch
-        self.ring_ops = ops_for(plan.platform, STATE.stats)
         self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
         metadata_reuse.opt_in(self, vllm_config, device)
 
@@ -106,7 +99,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         """Count the dispatch's switches between decode steps (status() counters)."""
         last = self._last_ring_decode
         if last is not None and last != ring_decode:
-            self.ring_ops.stats["dispatch_to_ring" if ring_decode else "dispatch_to_native"] += 1
+            STATE.stats["dispatch_to_ring" if ring_decode else "dispatch_to_native"] += 1
         self._last_ring_decode = ring_decode
 
     def _spec_fields(self, m, md, num_accepted_tokens, draft_tokens_cpu) -> dict:
@@ -152,10 +145,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         rows = m.num_reqs
         qsl = m.query_start_loc[: rows + 1]
         seq = m.seq_lens[:rows]  # tokens computed after this step
-        # flush at (force) and start empty after (empty) a prefix-cache block boundary in align
-        # mode; the formulas are in ops' ring_flags
-        self.ring_ops.fill_flags(qsl, seq, self.ring_force_flush, self.ring_start_empty, rows,
-                                 self.block_size if self.align else None)
+        fill_flags(qsl, seq, self.ring_force_flush, self.ring_start_empty, rows, self.block_size if self.align else None)
         out = {"ring_force_flush": self.ring_force_flush, "ring_start_empty": self.ring_start_empty}
         if md.num_spec_decodes == 0:
             out.update(self._prefill_slots(md, self.ring_start_empty[:rows]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._vendored.gdn_reference import pack_qkv
+from ..ops.gdn_reference import pack_qkv
 from ..ring.call import call_for, one_token_rows, passthrough, ring_aware, spec_slots
 
 

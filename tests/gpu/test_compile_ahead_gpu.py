@@ -33,7 +33,7 @@ def count_compiles() -> dict:
 
     from collections import Counter
 
-    from replayssm_patch._vendored import ring_commit, ring_materialize, ring_reset
+    from replayssm_patch.ops import ring_commit, ring_materialize, ring_reset
     from replayssm_patch.ring.runtime import CudaRingOps, RingBuffers
 
     compiled = []

@@ -31,7 +31,7 @@ from collections import Counter  # noqa: E402
 
 from replayssm_patch.ring import flashinfer as flashinfer_verify  # noqa: E402
 from replayssm_patch.ring.runtime import CudaRingOps  # noqa: E402
-from replayssm_patch._vendored import pack_cursor, unpack_cursor  # noqa: E402
+from replayssm_patch.ops.cursor import unpack_cursor  # noqa: E402
 
 if flashinfer_verify.load_kernel()[0] is None:
     pytest.skip(f"FlashInfer's verify kernel does not import: {flashinfer_verify.load_kernel()[1]}",

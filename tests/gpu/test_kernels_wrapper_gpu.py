@@ -22,7 +22,7 @@ from collections import Counter  # noqa: E402
 
 from replayssm_patch.ring import numerics  # noqa: E402
 from replayssm_patch.ring.runtime import CpuRingOps, CudaRingOps  # noqa: E402
-from replayssm_patch._vendored.ring_reference import pack_cursor, unpack_cursor  # noqa: E402
+from replayssm_patch.ops.cursor import pack_cursor, unpack_cursor  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 STATS = Counter()

@@ -1,4 +1,4 @@
-"""The metadata builder's flag kernel (`_vendored/ring_flags.py`) on a CUDA GPU: the checks of
+"""The metadata builder's flag kernel (`ops/ring_flags.py`) on a CUDA GPU: the checks of
 tests/test_ring_flags_interpret.py (the builder's torch ops as reference, fresh random steps,
 contiguous and strided int32 / int64 metadata, padding rows, poisoned flag buffers) with the
 kernel compiled for the GPU. Skipped without CUDA.

@@ -34,7 +34,7 @@ if os.environ.get("RING_KERNEL_TEST_DEVICE", "cuda") == "cuda" and not torch.cud
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from replayssm_patch._vendored import (  # noqa: E402
+from replayssm_patch.ops import (  # noqa: E402
     VerifyLaunch,
     override_launch,
     pack_cursor,

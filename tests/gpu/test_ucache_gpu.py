@@ -1,4 +1,4 @@
-"""The bookkeeping kernels around FlashInfer's verify kernel (`_vendored/ucache.py`) on a CUDA
+"""The bookkeeping kernels around FlashInfer's verify kernel (`ops/ucache.py`) on a CUDA
 GPU: the checks of tests/test_ucache_interpret.py (torch reference, fresh random inputs, paged
 ring views, padding rows, rows at and past the fold threshold) with the kernels compiled for the
 GPU, so they are tested there even where FlashInfer itself does not import

@@ -28,11 +28,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime import driver
 
+from .cursor import DECODE_MASK_C, TICKET_SHIFT_C
 from .decode_shared import use_pdl
-from .decode_two_phase import launch_prep
-from .launch import cdiv, num_sms
+from .decode_prep import launch_prep
+from .launch import num_sms, programs_per_sm
 
 
 @gluon.jit
@@ -103,8 +103,8 @@ def _tma_main_kernel(
         slot = gl.load(idx + row * stride_idx).to(gl.int64)
         # Issue this tile's small loads before waiting for its checkpoint rows.
         info = gl.load(meta + row)
-        n = info & 0xFFFF
-        flush = (info >> 16) != 0
+        n = info & DECODE_MASK_C
+        flush = (info >> TICKET_SHIFT_C) != 0
         p_qk = qk + (row * H + i_h) * (2 * K)
         q = gl.load(p_qk + o_k)
         k = gl.load(p_qk + K + o_k)
@@ -160,27 +160,6 @@ def _tma_main_kernel(
 def _smem_layout(dtype: torch.dtype):
     bits = torch.finfo(dtype).bits
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=3)
-
-
-_PROGRAMS_PER_SM: dict = {}  # kernel specialisation -> programs that fit on one SM at once
-
-
-def programs_per_sm(kernel, kernel_args, constexprs: dict, device: torch.device) -> int:
-    """How many programs of this specialisation of a persistent `kernel` one SM holds at once
-    (registers, shared memory, threads), from the compiled kernel: a larger grid runs in waves."""
-    key = (kernel, device, tuple(getattr(a, "dtype", None) for a in kernel_args[:12]), tuple(constexprs.items()))
-    per_sm = _PROGRAMS_PER_SM.get(key)
-    if per_sm is None:
-        k = kernel.warmup(*kernel_args, grid=(1,), **constexprs)
-        k._init_handles()  # loads the binary, which reports its register count (Triton 3.6's API)
-        warps = constexprs["num_warps"]
-        regs = cdiv(k.n_regs * 32, 256) * 256 * warps  # allocated per warp in units of 256
-        props = driver.active.utils.get_device_properties(
-            device.index if device.index is not None else torch.cuda.current_device())
-        smem = props["max_shared_mem"] + 1024  # the SM's shared memory; 1 KB is reserved per program
-        per_sm = max(1, min(smem // (k.metadata.shared + 1024), props["max_num_regs"] // regs, 64 // warps, 32))
-        _PROGRAMS_PER_SM[key] = per_sm
-    return per_sm
 
 
 def launch_tma(launch, args, geo) -> None:

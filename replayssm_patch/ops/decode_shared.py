@@ -9,8 +9,6 @@ import triton.language as tl
 
 from .launch import next_pow2
 
-TICKET_SHIFT = 16  # cursor = arrivals << 16 | n while a launch that takes tickets is in flight
-
 
 @triton.jit
 def rank_update_tc(rd, w, rk, live):

@@ -18,6 +18,19 @@ def check_device(dev: torch.device, **tensors) -> None:
             raise ValueError(f"{name} must be on {dev} (got {t.device})")
 
 
+def rows_tensor(t: torch.Tensor | None, n: int, name: str, dev: torch.device):
+    """An optional per-row integer tensor (1-D, int32 or int64, at least `n` entries, on `dev`):
+    (t, its stride), or (None, 0) when not given."""
+    if t is None:
+        return None, 0
+    if t.ndim != 1 or t.shape[0] < n:
+        raise ValueError(f"{name} must be 1-D with at least {n} entries (got {tuple(t.shape)})")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64 (got {t.dtype})")
+    check_device(dev, **{name: t})
+    return t, t.stride(0)
+
+
 def slot_stride(t: torch.Tensor, name: str) -> int:
     """Stride of the slot dim; the dims after it must be contiguous (a page view is fine)."""
     shape, stride = t.shape, t.stride()

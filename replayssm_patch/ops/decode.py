@@ -1,7 +1,8 @@
 """ReplaySSM decode for Gated DeltaNet, one token per row: the entry point (torch and triton only).
 
-Semantics: exactly those of `ring_reference.ring_decode_reference` (read that module's
-docstring for the ring layout). Per row, per value head, per block of BV value channels:
+Semantics: exactly those of `decode_reference.ring_decode_reference` (the ring layout:
+ring_state_reference; the cursor word: cursor). Per row, per value head, per block of BV value
+channels:
 
     one read of the checkpoint tile S_c[BV, K] gives  S_c q  and  S_c k  (two mat-vecs),
     the ring adds the low-rank part:  S x = exp(G_n) (S_c x) + sum_{j<n} w_j d_j (k_j . x),
@@ -30,6 +31,7 @@ import dataclasses
 
 import torch
 
+from .cursor import DECODE_MASK
 from .decode_fused import launch_fused
 from .decode_replay import launch_replay
 from .decode_shared import RowFlags, block_v
@@ -135,14 +137,41 @@ def ring_decode(
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """One decode token per row through the replay ring (semantics of `ring_decode_reference`).
+    No host sync, safe to capture in a CUDA graph (the two-phase forms allocate a small scratch
+    per call, which under capture comes from the graph's memory pool). The launch comes from
+    `launch.pick_decode_launch` unless an `override_launch` block names one.
 
-    Writes `out` ([N, HV, V] or [N, 1, HV, V], contiguous) and updates state / rings / cursor in
-    place on the GPU: no host sync, safe to capture in a CUDA graph (the two-phase forms
-    allocate a small scratch per call, which under capture comes from the graph's memory pool).
-    The launch comes from `launch.pick_decode_launch` unless an `override_launch` block names one.
-    Returns `out` viewed as [N, HV, V].
+    Args:
+        mixed_qkv (torch.Tensor):
+            packed q | k | v of shape `[N, 2*H*K + HV*V]`, contiguous in its last dim.
+        a (torch.Tensor), b (torch.Tensor):
+            the gate inputs of shape `[N, HV]`.
+        A_log (torch.Tensor), dt_bias (torch.Tensor):
+            the layer's gate parameters, `HV` elements each, contiguous.
+        scale (float):
+            the query scale (applied after the L2 normalisation).
+        state (torch.Tensor):
+            the checkpoints, `[slots, HV, V, K]` (fp32, bf16 or fp16); written where a row
+            flushes.
+        out (torch.Tensor):
+            the outputs, contiguous with `N * HV * V` elements ([N, HV, V] or [N, 1, HV, V]).
+        state_indices (torch.Tensor):
+            the slot of each row, `[N]`; rows with slot <= 0 get a zero output and touch nothing.
+        ring_d (torch.Tensor), ring_k (torch.Tensor), ring_g (torch.Tensor):
+            the rings, `[slots, HV, L, V]`, `[slots, H, L, K]`, `[slots, HV, L]` (float32).
+        cursor (torch.Tensor):
+            the entry counts (no window pending: cursor.py), contiguous int32 `[slots]`.
+        force_flush (torch.Tensor | None):
+            per row: flush whatever the ring's fill.
+        start_empty (torch.Tensor | None):
+            per row: replay nothing (the row's state came without its ring).
+        use_qk_l2norm (bool):
+            L2-normalise q and k (as vLLM's GDN layers do).
+
+    Returns:
+        `out` viewed as `[N, HV, V]`. State, rings and cursor are updated in place.
     """
-    H, HV, K, V, L, strides = ring_geometry(state, ring_d, ring_k, ring_g, cursor, 0xFFFF)
+    H, HV, K, V, L, strides = ring_geometry(state, ring_d, ring_k, ring_g, cursor, DECODE_MASK)
     N = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V)
     if state_indices.ndim != 1 or state_indices.shape[0] != N:
         raise ValueError(f"state_indices must be 1-D of length {N}")

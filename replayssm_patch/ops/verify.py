@@ -1,8 +1,8 @@
-"""Triton kernel of ReplaySSM speculative verify for Gated DeltaNet, with a delayed commit.
+"""ReplaySSM speculative verify for Gated DeltaNet, with a delayed commit: `ring_verify`
+(imports torch and triton only).
 
-Semantics: exactly those of `ring_reference.ring_spec_verify_reference` (and
-`ring_commit_pending_reference` for `ring_commit`); read `ring_reference`'s docstring for the
-ring layout. This module imports only torch and triton.
+Semantics: exactly those of `verify_reference.ring_spec_verify_reference` (the ring layout:
+ring_state_reference; the cursor word: cursor). The commit alone is `commit.ring_commit`.
 
 One launch = one speculative step. Row i owns the tokens cu_seqlens[i]:cu_seqlens[i+1] (the
 bonus token and the drafts; any count up to `max_tokens`, zero allowed). Per row:
@@ -32,16 +32,13 @@ Three launches on one stream:
   Main reads the cursor word with a plain load (nothing writes it before finish); the
   kernel boundaries order every shared read before the write, so no atomics are needed there.
 
-The cursor word. Per slot one int32 holds `n | p << 8` between launches (n committed entries,
-p the pending window length, both < 256), and in flight the arrival tickets in bits 16 and up
-(the same race-free read as the fused decode kernel's: every finish program of a row reads
-it with one atomic add of 1 << 16, the last of the row's H programs writes the new word with
-an exchange).
-A slot with p == 0 holds the plain entry count that `ring_decode` and `ring_materialize` use;
-a slot with a pending window must go through `ring_commit` (or this kernel) before those see
-it. Commit, verify and the window bookkeeping thus need no host sync and no extra persistent
-buffer, and the launch is CUDA-graph safe (everything it reads is a tensor; only the shapes and
-`max_tokens` are baked in).
+The cursor word (cursor.py) holds `n | p << 8` between launches (n committed entries, p the
+pending window's length, both < 256); the finish programs of a row read it with tickets (the
+last of the row's H programs writes the new word). A slot with p == 0 holds the plain entry
+count that `ring_decode` and `ring_materialize` use; a slot with a pending window must go
+through `ring_commit` (or this kernel) before those see it. Commit, verify and the window
+bookkeeping thus need no host sync and no extra persistent buffer, and the launch is CUDA-graph
+safe (everything it reads is a tensor; only the shapes and `max_tokens` are baked in).
 
 How the tokens are computed (per value head and block of BV value rows: one main program).
 With Gamma_t the cumulative log-decay up to token t (continuing from G_n, or from 0 after a
@@ -74,14 +71,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .commit import committed_count
+from .cursor import COUNT_MASK, PENDING_SHIFT_C, TICKET_C, TICKET_SHIFT_C
 from .gdn_gates import gdn_beta, gdn_log_decay
 from .launch import cdiv, next_pow2, verify_launch
-from .ring_checks import check_device, check_packed_inputs, ring_geometry
-from .ring_reference import CURSOR_FIELD_MASK, pack_cursor, unpack_cursor  # noqa: F401 (re-exported)
-
-__all__ = ["ring_verify", "ring_commit", "pack_cursor", "unpack_cursor"]
-
-_FIELD_MASK = CURSOR_FIELD_MASK  # n and the pending length: 8 bits each (the kernels spell 0xFF / 8)
+from .ring_checks import check_device, check_packed_inputs, ring_geometry, rows_tensor
 
 
 @triton.jit
@@ -90,18 +84,6 @@ def _row_window(cu, row, MAXT: tl.constexpr):
     lo = tl.load(cu + row).to(tl.int64)
     W = (tl.load(cu + row + 1).to(tl.int64) - lo).to(tl.int32)
     return lo, tl.minimum(tl.maximum(W, 0), MAXT)
-
-
-@triton.jit
-def _committed_count(word, acc, row, stride_acc, L: tl.constexpr, HAS_ACC: tl.constexpr):
-    """Committed entries of a slot whose cursor word (n | pending << 8, tickets above bit 16
-    ignored) is `word`, after the delayed commit of min(num_accepted, pending) entries."""
-    n = word & 0xFF
-    if HAS_ACC:
-        pend = (word >> 8) & 0xFF
-        acc_i = tl.maximum(tl.load(acc + row * stride_acc).to(tl.int32), 0)
-        n = n + tl.where(pend > 0, tl.minimum(acc_i, pend), 0)
-    return tl.minimum(n, L)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,7 +198,7 @@ def _ring_verify_main_kernel(
         return
 
     # The cursor word is unchanged during the launch (only the finish kernel writes it).
-    n = _committed_count(tl.load(cursor + slot), acc, row, stride_acc, L, HAS_ACC)
+    n = committed_count(tl.load(cursor + slot), acc, row, stride_acc, L, HAS_ACC)
     flush = n + W > L
     n_w = tl.where(flush, 0, n)
     p_gr = ring_g + slot * slot_stride_g + hv * L
@@ -291,9 +273,9 @@ def _ring_verify_finish_kernel(
     tok = lo + o_w
 
     # The ticket makes the read of the word race-free against the row's last program's write.
-    ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
-    arrivals = ticket >> 16
-    n = _committed_count(ticket, acc, row, stride_acc, L, HAS_ACC)
+    ticket = tl.atomic_add(cursor + slot, TICKET_C, sem="relaxed")
+    arrivals = ticket >> TICKET_SHIFT_C
+    n = committed_count(ticket, acc, row, stride_acc, L, HAS_ACC)
     flush = n + W > L
     n_w = tl.where(flush, 0, n)
 
@@ -318,48 +300,12 @@ def _ring_verify_finish_kernel(
     tl.store(p_g[None, :] + (n_w + o_w)[:, None], Gam, mask=m_wg)
     if arrivals == H - 1:
         # Last of the row's H programs to take a ticket: everyone has read the word.
-        tl.atomic_xchg(cursor + slot, n_w | (W << 8), sem="relaxed")
-
-
-@triton.jit
-def commit_rows(cursor, idx, acc, offs, rows, stride_idx, stride_acc, L: tl.constexpr, HAS_ACC: tl.constexpr):
-    """The delayed commit of rows `offs` (mask `rows`): stores and returns each real row's
-    committed count; returns (slot, real, n). Shared with the ucache bookkeeping kernel."""
-    s = tl.load(idx + offs.to(tl.int64) * stride_idx, mask=rows, other=0).to(tl.int64)
-    real = rows & (s > 0)
-    word = tl.load(cursor + s, mask=real, other=0)
-    n = word & 0xFF
-    if HAS_ACC:
-        pend = (word >> 8) & 0xFF
-        a_i = tl.maximum(tl.load(acc + offs.to(tl.int64) * stride_acc, mask=real, other=0).to(tl.int32), 0)
-        n = n + tl.where(pend > 0, tl.minimum(a_i, pend), 0)
-    n = tl.minimum(n, L)
-    tl.store(cursor + s, n, mask=real)
-    return s, real, n
-
-
-# like materialize.py's kernels: one variant whatever the row count and the slices' alignment
-@triton.jit(do_not_specialize=["n_rows", "stride_idx", "stride_acc"], do_not_specialize_on_alignment=["idx", "acc"])
-def _ring_commit_kernel(cursor, idx, acc, n_rows, stride_idx, stride_acc,
-                        L: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    commit_rows(cursor, idx, acc, offs, offs < n_rows, stride_idx, stride_acc, L, HAS_ACC)
+        tl.atomic_xchg(cursor + slot, n_w | (W << PENDING_SHIFT_C), sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-
-def _rows_tensor(t, n, name, dev):
-    if t is None:
-        return None, 0
-    if t.ndim != 1 or t.shape[0] < n:
-        raise ValueError(f"{name} must be 1-D with at least {n} entries (got {tuple(t.shape)})")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64 (got {t.dtype})")
-    check_device(dev, **{name: t})
-    return t, t.stride(0)
-
 
 def ring_verify(
     mixed_qkv: torch.Tensor,
@@ -380,20 +326,50 @@ def ring_verify(
     max_tokens: int,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """One speculative step through the ring (semantics of `ring_spec_verify_reference`).
+    """One speculative step through the ring (semantics of `ring_spec_verify_reference`): commit
+    each slot's previous window, then verify the row's tokens, whose entries become the slot's
+    new pending window. No host sync; the small scratch comes from the caching allocator (under
+    capture, from the graph's pool): CUDA-graph safe. The main kernel's launch is
+    `launch.VerifyLaunch()` unless an `override_launch` block names another.
 
-    mixed_qkv [tokens, 2*H*K + HV*V], a/b [tokens, HV]; row i owns tokens
-    cu_seqlens[i]:cu_seqlens[i+1] (at most `max_tokens` of them) and slot state_indices[i];
-    num_accepted [rows] commits the slot's previous pending window first (None: drop it).
-    `cursor` holds the packed word `n | pending << 8` (see the module docstring).
-    Writes `out` ([tokens, HV, V] or [tokens, 1, HV, V], contiguous) for every token of every
-    row (zero for rows with slot <= 0; tokens outside every row untouched), updates state,
-    rings and cursor in place. No host sync; the small scratch comes from the caching
-    allocator (under capture, from the graph's pool): CUDA-graph safe. The main kernel's
-    launch is `launch.VerifyLaunch()` unless an `override_launch` block names another.
-    Returns `out` viewed as [tokens, HV, V].
+    Args:
+        mixed_qkv (torch.Tensor):
+            packed q | k | v of shape `[tokens, 2*H*K + HV*V]`, contiguous in its last dim.
+        a (torch.Tensor), b (torch.Tensor):
+            the gate inputs of shape `[tokens, HV]`.
+        A_log (torch.Tensor), dt_bias (torch.Tensor):
+            the layer's gate parameters, `HV` elements each, contiguous.
+        scale (float):
+            the query scale (applied after the L2 normalisation).
+        state (torch.Tensor):
+            the checkpoints, `[slots, HV, V, K]` (fp32, bf16 or fp16); updated in place where a
+            window does not fit and the committed entries are flushed.
+        out (torch.Tensor):
+            contiguous, `tokens * HV * V` elements ([tokens, HV, V] or [tokens, 1, HV, V]):
+            every token of every row is written (zero for rows with slot <= 0), tokens outside
+            every row are left untouched.
+        state_indices (torch.Tensor):
+            the slot of each row, 1-D `[rows]`; rows with slot <= 0 are padding.
+        cu_seqlens (torch.Tensor):
+            row i owns tokens cu_seqlens[i]:cu_seqlens[i+1] (at most `max_tokens` of them),
+            contiguous int32 or int64 with at least rows + 1 entries.
+        ring_d (torch.Tensor), ring_k (torch.Tensor), ring_g (torch.Tensor):
+            the rings, `[slots, HV, L, V]`, `[slots, H, L, K]`, `[slots, HV, L]` (float32).
+        cursor (torch.Tensor):
+            packed cursor words `n | pending << 8` (cursor.py), contiguous int32 `[slots]`.
+        num_accepted (torch.Tensor | None):
+            tokens accepted per row in the previous step, committing that pending window first;
+            None drops it.
+        max_tokens (int):
+            the most tokens a row has, in [1, L] (tokens past it get no output and no entry:
+            the launcher cannot check device data without a host sync).
+        use_qk_l2norm (bool):
+            L2-normalise q and k (as vLLM's GDN layers do).
+
+    Returns:
+        `out` viewed as `[tokens, HV, V]`. State, rings and cursor are updated in place.
     """
-    H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, _FIELD_MASK)
+    H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, COUNT_MASK)
     ntok = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, H, HV, K, V)
     if state_indices.ndim != 1:
         raise ValueError(f"state_indices must be 1-D (got {tuple(state_indices.shape)})")
@@ -410,7 +386,7 @@ def ring_verify(
     dev = state.device
     check_device(dev, mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out,
                  state_indices=state_indices, cu_seqlens=cu_seqlens)
-    acc, s_acc = _rows_tensor(num_accepted, N, "num_accepted", dev)
+    acc, s_acc = rows_tensor(num_accepted, N, "num_accepted", dev)
     out3 = out.view(ntok, HV, V)
     if N == 0:
         return out3
@@ -449,33 +425,3 @@ def ring_verify(
         num_warps=4 if WP * BK > 2048 else 2, num_stages=1,
     )
     return out3
-
-
-def check_commit_args(cursor, state_indices, num_accepted, L, name="state_indices"):
-    """The checks of a delayed commit's arguments; returns (num_accepted, its stride) as
-    `_rows_tensor` does."""
-    if cursor.ndim != 1 or cursor.dtype != torch.int32 or cursor.stride(0) != 1:
-        raise ValueError("cursor must be a contiguous 1-D int32 tensor")
-    if state_indices.ndim != 1:
-        raise ValueError(f"{name} must be 1-D (got {tuple(state_indices.shape)})")
-    if not isinstance(L, int) or not 1 <= L <= _FIELD_MASK:
-        raise ValueError(f"L must be an int in [1, {_FIELD_MASK}] (got {L!r})")
-    check_device(cursor.device, **{name: state_indices})
-    return _rows_tensor(num_accepted, state_indices.shape[0], "num_accepted", cursor.device)
-
-
-def ring_commit(cursor: torch.Tensor, state_indices: torch.Tensor, num_accepted: torch.Tensor | None,
-                L: int) -> None:
-    """Delayed commit alone (semantics of `ring_commit_pending_reference` on the packed word):
-    n = min(n + min(num_accepted, pending), L) where a window is pending, pending = 0; rows
-    with slot <= 0 ignored; num_accepted None drops the windows. Afterwards the slots hold the
-    plain entry count that ring_decode / ring_materialize expect. Graph safe, no host sync."""
-    acc, s_acc = check_commit_args(cursor, state_indices, num_accepted, L)
-    n = state_indices.shape[0]
-    if n == 0:
-        return
-    BLOCK = 128
-    _ring_commit_kernel[(cdiv(n, BLOCK),)](
-        cursor, state_indices, acc if acc is not None else state_indices, n,
-        state_indices.stride(0), s_acc, L=L, HAS_ACC=acc is not None, BLOCK=BLOCK, num_warps=4,
-    )

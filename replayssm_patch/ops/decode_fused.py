@@ -7,15 +7,16 @@ the cursor ticket, so those loads are in flight during the atomic's round trip.
 
 The cursor race. Every program of a row needs the row's cursor n, and the new cursor may only
 be written after all of them have read it. Triton has no grid-wide barrier, so the read itself
-is the synchronisation: each program reads the cursor with ONE atomic add of 1 << 16 (relaxed
-order is enough: only this one memory location is involved, and the atomic is the read). The
-low 16 bits hold n (unchanged until the end), the high bits count arrivals. The program that
-sees P - 1 earlier arrivals (P = programs per row) is the last reader; it writes the new cursor
-(arrival count cleared) with an atomic exchange. Between launches the cursor therefore holds
-the plain entry count n, as in the reference: no second kernel, no scratch, no host sync, and
-CUDA-graph safe. Racing reads of ring entries at position >= n (written by a sibling program
-in the same launch) are always masked out before use. Requirements: the valid rows of one
-launch name distinct slots (vLLM guarantees this), cursor values below 2**16 and P <= 32767.
+is the synchronisation: each program reads the cursor with ONE atomic add of a ticket (relaxed
+order is enough: only this one memory location is involved, and the atomic is the read; the
+cursor word's format and its tickets: cursor.py). The low 16 bits hold n (unchanged until the
+end), the high bits count arrivals. The program that sees P - 1 earlier arrivals (P = programs
+per row) is the last reader; it writes the new cursor (arrival count cleared) with an atomic
+exchange. Between launches the cursor therefore holds the plain entry count n, as in the
+reference: no second kernel, no scratch, no host sync, and CUDA-graph safe. Racing reads of
+ring entries at position >= n (written by a sibling program in the same launch) are always
+masked out before use. Requirements: the valid rows of one launch name distinct slots (vLLM
+guarantees this), cursor values below 2**16 and P <= 32767.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_shared import TICKET_SHIFT, block_v, rank_update_tc
+from .cursor import DECODE_MASK_C, MAX_TICKETS, TICKET_C, TICKET_SHIFT_C
+from .decode_shared import block_v, rank_update_tc
 from .gdn_gates import gdn_beta, gdn_log_decay
 from .launch import cdiv
 
@@ -76,9 +78,9 @@ def _fused_decode_kernel(
     p_g = ring_g + slot * slot_stride_g + hv * L
     Gr = tl.load(p_g + o_l, mask=m_l, other=0.0)
 
-    ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
-    n = ticket & 0xFFFF
-    arrivals = ticket >> 16
+    ticket = tl.atomic_add(cursor + slot, TICKET_C, sem="relaxed")
+    n = ticket & DECODE_MASK_C
+    arrivals = ticket >> TICKET_SHIFT_C
     if HAS_SE:
         if tl.load(start_empty + row * stride_se) != 0:
             n = n * 0
@@ -164,7 +166,7 @@ def launch_fused(launch, args, geo) -> None:
     (see decode.ring_decode)."""
     BV = block_v(launch.block_v, geo.V)
     NV = cdiv(geo.V, BV)
-    if geo.HV * NV >= 1 << (31 - TICKET_SHIFT):
+    if geo.HV * NV >= MAX_TICKETS:
         raise ValueError(f"too many programs per row ({geo.HV * NV}) for the cursor ticket")
     ss, sd, sk, sg = geo.strides
     _fused_decode_kernel[(geo.N * geo.HV * NV,)](

@@ -1,9 +1,9 @@
-"""Ring maintenance kernels: materialise (flush rings into their checkpoints) and reset
-(imports torch and triton only). Semantics: `ring_reference.ring_materialize_reference` and
-`ring_reset_reference`.
+"""Ring maintenance: `ring_materialize` (flush rings into their checkpoints) and `ring_reset`
+(empty them); imports torch and triton only. Semantics: `ring_materialize_reference` and
+`ring_reset_reference` in materialize_reference.
 
-Materialise takes the cursor with the same arrival ticket as the fused decode kernel (see
-decode_fused): every program of a slot reads n with one atomic add, the last one clears it.
+Materialise takes the cursor word with arrival tickets (cursor.py), as the fused decode kernel
+does: every program of a slot reads n with one atomic add, the last one clears it.
 
 Neither kernel specialises on the slot count or the slot list's alignment: vLLM hands them
 slices of its state indices, and each new variant would compile in the middle of a step
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_shared import TICKET_SHIFT
+from .cursor import DECODE_MASK, DECODE_MASK_C, MAX_TICKETS, TICKET_C, TICKET_SHIFT_C
 from .launch import cdiv, next_pow2
 from .ring_checks import ring_geometry
 
@@ -48,9 +48,9 @@ def _ring_materialize_kernel(
     p_s = state + slot * slot_stride_state + i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
     p_g = ring_g + slot * slot_stride_g + i_hv * L
 
-    ticket = tl.atomic_add(cursor + slot, 1 << 16, sem="relaxed")
-    n = tl.minimum(ticket & 0xFFFF, L)
-    arrivals = ticket >> 16
+    ticket = tl.atomic_add(cursor + slot, TICKET_C, sem="relaxed")
+    n = tl.minimum(ticket & DECODE_MASK_C, L)
+    arrivals = ticket >> TICKET_SHIFT_C
     if HAS_EMPTY:  # the row's ring is stale (its state came without it): drop, don't replay
         n = tl.where(tl.load(start_empty + i_n) != 0, 0, n)
     if n > 0:
@@ -85,13 +85,29 @@ def ring_materialize(
     slots: torch.Tensor,
     start_empty: torch.Tensor | None = None,
 ) -> None:
-    """Flush `slots` (entries <= 0 ignored): checkpoint = replayed state, cursor = 0.
+    """Flush the rings of `slots` into their checkpoints (semantics of
+    `ring_materialize_reference`). Graph safe, no host sync.
 
-    A slot whose ring is empty keeps its checkpoint bit-identical, and so does one whose
-    `start_empty` flag (per entry of `slots`) is set: its ring is dropped, not replayed. Graph
-    safe, no host sync. The valid entries of `slots` must be distinct.
+    Args:
+        state (torch.Tensor):
+            the checkpoints, `[slots, HV, V, K]` (fp32, bf16 or fp16); updated in place.
+        ring_d (torch.Tensor), ring_k (torch.Tensor), ring_g (torch.Tensor):
+            the rings, `[slots, HV, L, V]`, `[slots, H, L, K]`, `[slots, HV, L]` (float32).
+        cursor (torch.Tensor):
+            the entry counts, contiguous int32 `[slots]` (no window pending: cursor.py);
+            set to 0 for every flushed slot.
+        slots (torch.Tensor):
+            1-D slot list, on the state's device; entries <= 0 are ignored, the others must be
+            distinct.
+        start_empty (torch.Tensor | None):
+            per entry of `slots`, contiguous: a set flag drops that slot's ring instead of
+            replaying it (its state came without the ring).
+
+    Returns:
+        None. Each slot's checkpoint is its replayed state; one whose ring is empty or dropped
+        keeps its checkpoint bit-identical.
     """
-    H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, 0xFFFF)
+    H, HV, K, V, L, (ss, sd, sk, sg) = ring_geometry(state, ring_d, ring_k, ring_g, cursor, DECODE_MASK)
     if slots.ndim != 1 or slots.device != state.device:
         raise ValueError("slots must be a 1-D tensor on the state's device")
     if start_empty is not None and (start_empty.shape[0] < slots.shape[0] or start_empty.stride(0) != 1
@@ -103,7 +119,7 @@ def ring_materialize(
     BV = min(32, max(16, next_pow2(V)))
     NV = cdiv(V, BV)
     LP = max(16, next_pow2(L))
-    if HV * NV >= 1 << (31 - TICKET_SHIFT):
+    if HV * NV >= MAX_TICKETS:
         raise ValueError(f"too many programs per slot ({HV * NV}) for the cursor ticket")
     grid = (slots.shape[0] * HV * NV,)
     _ring_materialize_kernel[grid](
@@ -116,7 +132,18 @@ def ring_materialize(
 
 
 def ring_reset(cursor: torch.Tensor, slots: torch.Tensor) -> None:
-    """Mark `slots` empty (entries <= 0 ignored); checkpoints untouched. Graph safe."""
+    """Empty the rings of `slots` (semantics of `ring_reset_reference`), e.g. after a prefill
+    wrote fresh states. Graph safe, no host sync.
+
+    Args:
+        cursor (torch.Tensor):
+            the entry counts, contiguous int32 `[slots]`; set to 0 for each given slot.
+        slots (torch.Tensor):
+            1-D slot list, on the cursor's device; entries <= 0 are ignored.
+
+    Returns:
+        None. The checkpoints are untouched.
+    """
     if cursor.ndim != 1 or cursor.dtype != torch.int32 or cursor.stride(0) != 1:
         raise ValueError("cursor must be a contiguous 1-D int32 tensor")
     if slots.ndim != 1 or slots.device != cursor.device:

@@ -1,15 +1,18 @@
-"""Ring bookkeeping around an external ReplaySSM "ucache" verify kernel (FlashInfer's).
+"""Integration kernels (not ring ops): the ring bookkeeping around FlashInfer's ReplaySSM
+"ucache" verify kernel. They encode what that external kernel leaves to its caller; their one
+caller is replayssm_patch/flashinfer_verify.py (`mtp_kernel="flashinfer"`), around each launch.
 
 FlashInfer's `gated_delta_rule_mtp_ucache_flush` writes the same ring content as our verify
-kernel (see `ring_reference`) but leaves the cursor to the caller and takes at most
+kernel (see `verify_reference`) but leaves the cursor to the caller and takes at most
 `live_rows` committed entries per row. These two launches do what it leaves, one row per
 lane or program, so the step costs the external kernel plus four launches:
 
   ucache_prepare  (before it) the delayed commit of each row's previous window (as
-                  `ring_commit`), then what the kernel takes per row: its slot (int32, 0 for
-                  padding rows), its committed count `hist`, a zero ring base, and the slots
-                  whose rings hold more than `live_rows` entries, which the caller folds into
-                  their checkpoints first (`ring_materialize`; their `hist` is 0);
+                  `ring_commit`: commit.commit_rows), then what the kernel takes per row: its
+                  slot (int32, 0 for padding rows), its committed count `hist`, a zero ring
+                  base, and the slots whose rings hold more than `live_rows` entries, which the
+                  caller folds into their checkpoints first (`ring_materialize`; their `hist`
+                  is 0);
   ucache_finish   (after it) a row whose window did not fit after its `hist` entries was folded
                   by the kernel and its window written at `hist`..: move those `window` entries
                   (d, k, G) to the ring's start; then mark every real row's window pending in
@@ -24,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .ring_reference import CURSOR_PENDING_SHIFT
-from .verify import check_commit_args, commit_rows
+from .commit import check_commit_args, commit_rows
+from .cursor import PENDING_SHIFT
 
 _BLOCK = 128
 
@@ -76,9 +79,27 @@ def _ucache_finish_kernel(ring_d, ring_k, ring_g, cursor, slots, hist,
 
 def ucache_prepare(cursor: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor | None, L: int,
                    live_rows: int):
-    """Commit each row's previous window (num_accepted None drops it) and return, per row,
-    (slot int32, hist int32, base int32 zeros, fold slots int32) for the ucache kernel, each
-    contiguous and 16-byte aligned."""
+    """Before FlashInfer's ucache kernel: commit each row's previous window and compute what
+    that kernel takes per row. No host sync.
+
+    Args:
+        cursor (torch.Tensor):
+            packed cursor words (cursor.py), contiguous int32 `[slots]`; committed in place.
+        slots (torch.Tensor):
+            the slot of each row, 1-D; rows with slot <= 0 are padding.
+        num_accepted (torch.Tensor | None):
+            tokens accepted per row in the previous step; None drops the windows.
+        L (int):
+            the ring length, in [1, 255].
+        live_rows (int):
+            the most committed entries the kernel takes per row, in [1, L].
+
+    Returns:
+        (slot, hist, base, fold), int32 `[rows]` each, contiguous and 16-byte aligned: the
+        row's slot (0 for padding), its committed count (0 for a folded row), zeros (the ring
+        base), and the slots whose rings hold more than `live_rows` entries (0 elsewhere),
+        which the caller folds into their checkpoints (`ring_materialize`) before the kernel.
+    """
     acc, s_acc = check_commit_args(cursor, slots, num_accepted, L, "slots")
     if not isinstance(live_rows, int) or not 1 <= live_rows <= L:
         raise ValueError(f"live_rows must be an int in [1, L={L}] (got {live_rows!r})")
@@ -97,9 +118,26 @@ def ucache_prepare(cursor: torch.Tensor, slots: torch.Tensor, num_accepted: torc
 
 def ucache_finish(ring_d: torch.Tensor, ring_k: torch.Tensor, ring_g: torch.Tensor, cursor: torch.Tensor,
                   slots: torch.Tensor, hist: torch.Tensor, window: int, live_rows: int) -> None:
-    """After the ucache kernel: move the windows it wrote behind folded entries to the ring's
-    start and mark every real row's window (`window` entries) pending. `slots` and `hist` are
-    `ucache_prepare`'s (int32, contiguous)."""
+    """After FlashInfer's ucache kernel: move the windows it wrote behind entries it folded to
+    the ring's start, and mark every real row's window pending. No host sync.
+
+    Args:
+        ring_d (torch.Tensor), ring_k (torch.Tensor), ring_g (torch.Tensor):
+            the rings, `[slots, HV, L, V]`, `[slots, H, L, K]`, `[slots, HV, L]`; K and V
+            powers of two.
+        cursor (torch.Tensor):
+            packed cursor words (cursor.py), int32 `[slots]`.
+        slots (torch.Tensor), hist (torch.Tensor):
+            `ucache_prepare`'s slot and hist outputs (int32, contiguous).
+        window (int):
+            the tokens per row, a power of two <= live_rows.
+        live_rows (int):
+            as given to `ucache_prepare`, <= L.
+
+    Returns:
+        None. Each real row's cursor word is `n | window << 8`, n its committed count (0 where
+        the kernel folded the ring).
+    """
     _, HV, L, V = ring_d.shape
     H, K = ring_k.shape[1], ring_k.shape[3]
     if ring_k.shape[2] != L or ring_g.shape[1:] != (HV, L):
@@ -115,5 +153,8 @@ def ucache_finish(ring_d: torch.Tensor, ring_k: torch.Tensor, ring_g: torch.Tens
     if slots.shape[0]:
         _ucache_finish_kernel[(slots.shape[0],)](
             ring_d, ring_k, ring_g, cursor, slots, hist, *ring_d.stride(), *ring_k.stride(), *ring_g.stride(),
-            H=H, HV=HV, K=K, V=V, W=window, LIVE=live_rows, PENDING_SHIFT=CURSOR_PENDING_SHIFT, num_warps=4,
+            H=H, HV=HV, K=K, V=V, W=window, LIVE=live_rows,
+            # cursor.PENDING_SHIFT as an argument, not the PENDING_SHIFT_C global: under
+            # TRITON_INTERPRET=1 the constexpr W is a plain int, and Python has no int << constexpr
+            PENDING_SHIFT=PENDING_SHIFT, num_warps=4,
         )

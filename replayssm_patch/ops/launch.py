@@ -17,8 +17,8 @@ padded ring entries; bf16 only on a GPU, whose dots the interpreter gets wrong);
 (tma) caps the main kernel's registers per thread (Triton's `maxnreg`), trading a few spills for
 more programs per SM.
 
-`DECODE_TABLE` is the table from the H200 sweeps of 2026-12-01 to 2026-12-03 (Triton 3.6, K =
-V = 128, L = 16, bf16 activations; docs/kernels.md has the measurements). Its rows are tried in
+`DECODE_TABLE` is the table from the H200 launch sweeps (Triton 3.6, K = V = 128, L = 16, bf16
+activations: benchmarks/results/launch_sweep_2026-12-03/; docs/kernels.md tells how it was chosen). Its rows are tried in
 order and the first that matches wins; "pairs" = rows x value heads, scaled by SMs / 132. A row
 whose launch has `flush_tc` matches only where the tensor-core flush can run, a tma row only
 where the TMA form can (`tma_capable`; `ring_decode` also leaves it out for a checkpoint it
@@ -102,7 +102,7 @@ class DecodeLaunch:
 class VerifyLaunch:
     """The speculative verify kernel's main launch: value rows per program, warps per program.
     Default: one warp per 32 value rows, the fastest of 8 launches at the three cells swept on
-    an H200 (2.05x / 1.92x / 1.20x native at T=8 B=256 / T=8 B=64 / T=4 B=16)."""
+    an H200 (benchmarks/results/kernel_spec_sweep.md)."""
     block_v: int = 32
     num_warps: int = 1
 
@@ -139,13 +139,13 @@ DECODE_TABLE = (
     # Hopper: the persistent TMA form (its rows match only where it can run). One stage per
     # program wins from 512 pairs: more programs per SM hide the per-tile small loads that
     # bind this kernel (Nsight Compute: long-scoreboard stalls), where more stages only add
-    # copies in flight. fp32 state: bv16_w2_s1 0.99-1.03x the previous picks (bv32_w4_s2,
-    # bv32_w4_s1_r96) in the table run of 2026-12-03, up to 16384 pairs; above, bv32_w4_s2 stays.
+    # copies in flight. fp32 state: bv16_w2_s1 at least as fast as the previous picks (bv32_w4_s2,
+    # bv32_w4_s1_r96) up to 16384 pairs, bv32_w4_s2 above (benchmarks/results/launch_sweep_2026-12-03/).
     TableRow("fp32", "any", 16384, _INF, _tma(32, 4, 2)),
     TableRow("fp32", "any", 512, 16384, _tma(16, 2, 1)),
     # A 16-bit state with a 16-bit ring: the tensor-core mat-vecs (_mv), one stage, from 1024
-    # pairs: 1.02-1.15x the two- and three-stage _mv launches and tma_bv32_w4_pdl_s1 in the
-    # table run of 2026-12-03 (below 1024 pairs tma_bv32_w4_pdl_s1 stays ahead).
+    # pairs, ahead of the two- and three-stage _mv launches and tma_bv32_w4_pdl_s1 (below 1024
+    # pairs tma_bv32_w4_pdl_s1 stays ahead; benchmarks/results/launch_sweep_2026-12-03/).
     TableRow("16-bit", "16-bit", 4096, _INF, _tma(64, 2, 1, mv=True)),
     TableRow("16-bit", "16-bit", 1024, 4096, _tma(32, 1, 1, mv=True)),
     TableRow("16-bit", "any", 2048, 8192, _tma(32, 2, 2, regs=168)),
@@ -290,3 +290,26 @@ def _cached_pick(rows, HV, state_dtype, ring_dtype, L, device, sms, tma) -> Deco
 def verify_launch() -> VerifyLaunch:
     forced = _verify_override.get()
     return forced if forced is not None else VerifyLaunch()
+
+
+_PROGRAMS_PER_SM: dict = {}  # kernel specialisation -> programs that fit on one SM at once
+
+
+def programs_per_sm(kernel, kernel_args, constexprs: dict, device: torch.device) -> int:
+    """How many programs of this specialisation of a persistent `kernel` one SM holds at once
+    (registers, shared memory, threads), from the compiled kernel: a larger grid runs in waves."""
+    key = (kernel, device, tuple(getattr(a, "dtype", None) for a in kernel_args[:12]), tuple(constexprs.items()))
+    per_sm = _PROGRAMS_PER_SM.get(key)
+    if per_sm is None:
+        k = kernel.warmup(*kernel_args, grid=(1,), **constexprs)
+        k._init_handles()  # loads the binary, which reports its register count (Triton 3.6's API)
+        warps = constexprs["num_warps"]
+        regs = cdiv(k.n_regs * 32, 256) * 256 * warps  # allocated per warp in units of 256
+        from triton.runtime import driver  # the CUDA driver: only where a persistent kernel launches
+
+        props = driver.active.utils.get_device_properties(
+            device.index if device.index is not None else torch.cuda.current_device())
+        smem = props["max_shared_mem"] + 1024  # the SM's shared memory; 1 KB is reserved per program
+        per_sm = max(1, min(smem // (k.metadata.shared + 1024), props["max_num_regs"] // regs, 64 // warps, 32))
+        _PROGRAMS_PER_SM[key] = per_sm
+    return per_sm

@@ -13,7 +13,7 @@ flush. Scratch written by prep, read by main (fp32):
     rep  [N, HV, 2, BVF]  r_q, r_k (BVF = V rounded up to a power of two)
     sc   [N, HV, 8]       exp(G_n), alpha, beta, k.q, q factor, k factor (q = raw q * factor)
     wts  [N, HV, LP]      w_j = exp(G_n - G_j), 0 at j >= n (read by flushing rows only)
-    meta [N] int32        n | flush << 16
+    meta [N] int32        n | flush << 16 (cursor.py)
 
 As in the two-phase form the cursor is read by prep and written by main only.
 """
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .cursor import DECODE_MASK_C, TICKET_SHIFT_C
 from .decode_shared import block_v, row_cursor
 from .gdn_gates import gdn_beta, gdn_log_decay
 from .launch import cdiv, next_pow2
@@ -82,7 +83,7 @@ def _replay_prep_kernel(
     if not flush:  # append this step's key (the main kernel adds d, the loop below G)
         tl.store(p_kr + n * K + o_k, k.to(ring_k.dtype.element_ty), mask=m_k)
     if i_h == 0:
-        tl.store(meta + row, n | (flush.to(tl.int32) << 16))
+        tl.store(meta + row, n | (flush.to(tl.int32) << TICKET_SHIFT_C))
 
     for i in range(GROUP):
         hv = i_h * GROUP + i
@@ -149,8 +150,8 @@ def _replay_main_kernel(
     v = tl.load(p_x + 2 * H * K + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
 
     info = tl.load(meta + row)
-    n = info & 0xFFFF
-    flush = (info >> 16) != 0
+    n = info & DECODE_MASK_C
+    flush = (info >> TICKET_SHIFT_C) != 0
     base = row * HV + i_hv
     p_sc = sc + base * 8
     eG = tl.load(p_sc)

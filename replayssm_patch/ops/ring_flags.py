@@ -1,5 +1,9 @@
-"""A step's per-row ring flags in one launch (the metadata builder runs this every step on the
-host, where each torch op would be a launch of its own; imports only torch and triton).
+"""Integration kernel (not a ring op): a step's per-row ring flags from vLLM's attention
+metadata, in one launch. It encodes vLLM's metadata semantics (prefix-cache blocks in align
+mode); its one caller is the metadata builder (replayssm_patch/backend.py, `fill_ring_flags`,
+every step on the host, where each torch op would be a launch of its own), whose CPU branch is
+the torch twin (tests/test_ring_flags_interpret.py checks they agree). Imports only torch and
+triton.
 
 From vLLM's `query_start_loc` and `seq_lens` (tokens computed after the step), with
 computed[i] = seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i]) the tokens before it:
@@ -46,8 +50,23 @@ def _ring_flags_kernel(qsl, seq, force, empty, rows, block_size, stride_qsl, str
 
 def ring_flags(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, force_flush: torch.Tensor,
                start_empty: torch.Tensor, rows: int, block_size: int | None) -> None:
-    """Write the first `rows` entries of `force_flush` and `start_empty` (int8) for this step;
-    `block_size` is the prefix-cache block size in align mode, None otherwise."""
+    """Write this step's ring flags (the formulas: module docstring). No host sync.
+
+    Args:
+        query_start_loc (torch.Tensor):
+            vLLM's `query_start_loc`, 1-D int32 or int64 with at least rows + 1 entries.
+        seq_lens (torch.Tensor):
+            vLLM's `seq_lens` (tokens computed after the step), 1-D int32 or int64.
+        force_flush (torch.Tensor), start_empty (torch.Tensor):
+            contiguous int8 flag buffers with at least `rows` entries.
+        rows (int):
+            the rows of this step: entries 0..rows-1 are written, nothing past them.
+        block_size (int | None):
+            the prefix-cache block size in align mode, None otherwise.
+
+    Returns:
+        None.
+    """
     for name, t, need in (("query_start_loc", query_start_loc, rows + 1), ("seq_lens", seq_lens, rows)):
         if t.ndim != 1 or t.shape[0] < need or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be 1-D int32 or int64 with at least {need} entries "

@@ -35,10 +35,10 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .cursor import DECODE_MASK_C, TICKET_SHIFT_C
 from .decode_shared import use_pdl
-from .decode_tma import programs_per_sm
-from .decode_two_phase import launch_prep
-from .launch import num_sms
+from .decode_prep import launch_prep
+from .launch import num_sms, programs_per_sm
 
 PARTS = 8  # columns of the mat-vec operand: 3 parts of q, 3 of k, 2 zero (the MMA's N is 8)
 
@@ -128,8 +128,8 @@ def _tma_tc_main_kernel(
         v0 = i_v * BV
         slot = gl.load(idx + row * stride_idx).to(gl.int64)
         info = gl.load(meta + row)  # prep writes nothing for a padding row (slot <= 0)
-        n = gl.where(slot > 0, info & 0xFFFF, 0)
-        flush = ((info >> 16) != 0) & (slot > 0)
+        n = gl.where(slot > 0, info & DECODE_MASK_C, 0)
+        flush = ((info >> TICKET_SHIFT_C) != 0) & (slot > 0)
         c_row = coef + (row * HV + i_hv) * (4 * LP)
         cq = gl.load(c_row + LP + o_l)
         ck = gl.load(c_row + 2 * LP + o_l)
