@@ -69,12 +69,11 @@ def on_cuda(monkeypatch):
     """A faked CUDA platform (vLLM 0.33.0, ring kernels loadable)."""
     from vllm.platforms import current_platform
 
-    from replayssm_patch import versions
-    from replayssm_patch.ring import runtime
+    from replayssm_patch import ops, versions
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False, raising=False)
-    monkeypatch.setattr(runtime, "cuda_kernels_available", lambda: (True, ""))
+    monkeypatch.setattr(ops, "kernels_available", lambda: (True, ""))
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.33.0")
 
 

@@ -8,7 +8,8 @@ One file per op, its torch reference beside it (<op>_reference.py):
 
     decode.py                ring_decode: the entry (checks, launch pick); one file per launch
                              form (decode_fused, decode_two_phase, decode_replay, decode_tma,
-                             decode_tma_tc) and what they share (decode_shared)
+                             decode_tma_tc), the prep kernel three of them run (decode_prep) and
+                             what they share (decode_shared)
     verify.py                ring_verify: one MTP verify step, with the delayed commit
     commit.py                ring_commit: the delayed commit alone
     materialize.py           ring_materialize, ring_reset
@@ -63,6 +64,17 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+
+def kernels_available() -> tuple[bool, str]:
+    """Whether the Triton kernels can load here (triton imports and finds a GPU driver), and why not."""
+    try:
+        import triton
+
+        triton.runtime.driver.active.get_current_target()
+    except Exception as e:  # ImportError, or no driver Triton can use
+        return False, f"{type(e).__name__}: {e}"
+    return True, ""
 
 
 def __getattr__(name: str):

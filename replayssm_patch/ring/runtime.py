@@ -33,14 +33,6 @@ class RingBuffers:
     shadow: torch.Tensor | None = None  # exact-state copy for the shadow check (testing aid)
 
 
-def cuda_kernels_available() -> tuple[bool, str]:
-    try:
-        from ..ops import decode, verify  # noqa: F401 (loading them initialises triton)
-    except Exception as e:  # ImportError, or triton failing to initialise
-        return False, f"{type(e).__name__}: {e}"
-    return True, ""
-
-
 class CudaRingOps:
     """The ring's operations on CUDA: one launch each, no host sync (CUDA-graph safe)."""
 
