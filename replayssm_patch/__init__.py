@@ -33,6 +33,7 @@ def patch(enable: bool = True, **options) -> dict:
     declare_to_vllm()
     from . import activation
 
+    activation.install_hooks()  # as the plugin does: vLLM's --use-replayssm reaches the ring
     return activation.apply(config)
 
 

@@ -101,6 +101,17 @@ def apply(config: ReplayConfig) -> dict:
     return report()
 
 
+def install_hooks() -> None:
+    """Install the table's unconditional points (the plugin, in every vLLM process, whatever the
+    config). They are inert until the user asks for them, so a failure here must not stop vLLM:
+    it is logged, and vLLM keeps its own behaviour."""
+    try:
+        points.install_unconditional()
+    except Exception as e:  # an unexpected vLLM: its own behaviour, said once
+        STATE.log_once(logging.WARNING, f"replayssm_patch: vLLM's --use-replayssm is not routed to the GDN ring "
+                                        f"in this process ({type(e).__name__}: {e}); vLLM's own handling applies")
+
+
 def revert() -> None:
     points.revert(STATE)
     STATE.applied, STATE.patched = False, []
@@ -116,6 +127,7 @@ def report() -> dict:
         "reasons": list(STATE.reasons),
         "warnings": list(STATE.warnings),
         "patched": list(STATE.patched),
+        "hooks": points.unconditional_installed(),  # inert until asked for (vLLM's --use-replayssm)
         "layers": dict(STATE.layers),
         "counters": dict(STATE.stats),
     }

@@ -195,6 +195,26 @@ def from_env(environ: Mapping[str, str] | None = None) -> ReplayConfig:
     return ReplayConfig(**values)
 
 
+VLLM_FLAG_RING_LEN = "--replayssm-buffer-len"  # vLLM's own flag, taken as ring_len (replayssm_patch.vllm.replayssm_flag)
+# what vLLM's --use-replayssm asks for in place of these options' defaults: the ring wherever it
+# can serve, not only where the plan predicts a gain (the user asked for ReplaySSM)
+VLLM_FLAG_DEFAULTS = {"min_batch": 1, "allow_mtp": "ring"}
+
+
+def from_vllm_flag(buffer_len, environ: Mapping[str, str] | None = None) -> ReplayConfig:
+    """The config vLLM's `--use-replayssm --replayssm-buffer-len N` (or `LLM(use_replayssm=True,
+    replayssm_buffer_len=N)`) asks for: enabled, ring_len N (outside 1..64 an OptionError naming
+    --replayssm-buffer-len), min_batch 1 and MTP through the ring. An option the environment
+    gives a value other than its default (VLLM_GDN_REPLAYSSM_MIN_BATCH=64, a testing aid, ...)
+    still applies, parsed as from_env() parses it; a default there (as patch() and unpatch()
+    write them) is no choice and gives way to the flag's."""
+    ring_len = _ring_len(VLLM_FLAG_RING_LEN, buffer_len)
+    env = dict(os.environ if environ is None else environ, VLLM_GDN_REPLAYSSM="1")
+    given, default = from_env(env), ReplayConfig()
+    flag = {k: v for k, v in VLLM_FLAG_DEFAULTS.items() if getattr(given, k) == getattr(default, k)}
+    return dataclasses.replace(given, ring_len=ring_len, **flag)
+
+
 def declare_to_vllm() -> None:
     """Tell vLLM our variables are known: it warns about (or, with `fail_on_environ_validation`,
     refuses) every VLLM_* variable its own table lacks."""

@@ -30,6 +30,7 @@ KV_IFACE = "vllm/v1/kv_cache_interface.py"
 CUSTOM_OP = "vllm/model_executor/custom_op.py"
 CPU_GDN = "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py"
 CUSTOM_OPS = "vllm/_custom_ops.py"
+ARG_UTILS = "vllm/engine/arg_utils.py"
 
 
 def parse_version(text: str) -> Version | None:
@@ -176,6 +177,46 @@ def calls_with_keywords(fn: str, keywords: list[str]):
                 if name == fn and set(keywords) <= {k.arg for k in n.keywords}:
                     return None
         return f"no call of {fn} with keywords {keywords}"
+
+    return check
+
+
+def _calls(node: ast.AST, name: str, keyword: str | None = None) -> list[ast.Call]:
+    """The calls of `name` (a plain name or an attribute: `f(...)`, `self.f(...)`) below `node`,
+    with `keyword` among their keywords when one is given."""
+    out = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            callee = n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
+            if callee == name and (keyword is None or keyword in {k.arg for k in n.keywords}):
+                out.append(n)
+    return out
+
+
+def method_calls(cls: str, fn: str, callee: str):
+    """Method `cls.fn` calls `callee` somewhere in its body."""
+    def check(tree):
+        node = _find(tree, cls, fn)
+        if node is None:
+            return f"{cls}.{fn} not found"
+        return None if _calls(node, callee) else f"{cls}.{fn} does not call {callee}"
+
+    return check
+
+
+def calls_in_order(cls: str, fn: str, first: str, then: str, then_keyword: str):
+    """In method `cls.fn`, a call of `first` comes before the call of `then` that passes
+    `then_keyword` (by source line)."""
+    def check(tree):
+        node = _find(tree, cls, fn)
+        if node is None:
+            return f"{cls}.{fn} not found"
+        a, b = _calls(node, first), _calls(node, then, then_keyword)
+        if not a or not b:
+            return f"{cls}.{fn} lacks a call of {first if not a else f'{then}({then_keyword}=...)'}"
+        if min(c.lineno for c in a) > min(c.lineno for c in b):
+            return f"{cls}.{fn} calls {then}({then_keyword}=...) before {first}"
+        return None
 
     return check
 

@@ -98,6 +98,29 @@ def test_patch_keywords_reach_the_environment_and_status(monkeypatch, clean_patc
     assert config.from_env() == ReplayConfig() and not replayssm_patch.status()["applied"]
 
 
+def test_vllms_flag_gives_the_ring_everywhere_with_its_length():
+    """vLLM's --use-replayssm --replayssm-buffer-len N (replayssm_patch.vllm.replayssm_flag):
+    enabled, ring_len N, the ring at every batch and for MTP; the environment's options still
+    apply where they are not their defaults (VLLM_GDN_REPLAYSSM itself and its ring length do
+    not: the flag says them)."""
+    assert config.from_vllm_flag(8, {}) == ReplayConfig(enable=True, ring_len=8, min_batch=1, allow_mtp="ring")
+    env = {"VLLM_GDN_REPLAYSSM": "0", "VLLM_GDN_REPLAYSSM_RING": "32", "VLLM_GDN_REPLAYSSM_MIN_BATCH": "64",
+           "VLLM_GDN_REPLAYSSM_RING_DTYPE": "activation", "VLLM_GDN_REPLAYSSM_SHADOW": "1"}
+    assert config.from_vllm_flag(4, env) == ReplayConfig(enable=True, ring_len=4, min_batch=64, allow_mtp="ring",
+                                                         ring_dtype="activation", shadow=True)
+    with pytest.raises(OptionError, match="VLLM_GDN_REPLAYSSM_MIN_BATCH='0'"):
+        config.from_vllm_flag(8, {"VLLM_GDN_REPLAYSSM_MIN_BATCH": "0"})
+    # the defaults patch() and unpatch() write into the environment are no choice
+    assert config.from_vllm_flag(8, ReplayConfig().to_env()) == config.from_vllm_flag(8, {})
+
+
+@pytest.mark.parametrize("value", [0, 65, 100, -1, "x", 2.5, True])
+def test_vllms_flag_length_outside_the_ring_range_names_the_flag(value):
+    with pytest.raises(OptionError) as e:
+        config.from_vllm_flag(value, {})
+    assert f"--replayssm-buffer-len={value!r}" in str(e.value) and "1..64" in str(e.value)
+
+
 def test_every_option_has_a_variable_and_a_doctor_flag():
     envs = [opt.env for _, opt in config.options()]
     assert len(set(envs)) == len(envs) and all(e.startswith("VLLM_GDN_REPLAYSSM") for e in envs)

@@ -81,10 +81,15 @@ def _as_request(choice) -> dict:
     return {"tokens": [_token_id(t) for t in lp["tokens"]], "logprobs": lp["token_logprobs"], "top2": top2}
 
 
-def _serve(model, port, env, log_path):
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--load-format", "safetensors", "--dtype", "bfloat16", "--enforce-eager",
-           "--max-model-len", "256", "--max-num-seqs", "4", "--seed", "0", "--disable-log-stats"]
+def server_command(model, port, *extra) -> list[str]:
+    """The server's command line (the CPU build has no `vllm` command); `extra`: more flags."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--load-format", "safetensors", "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", "256", "--max-num-seqs", "4", "--seed", "0", "--disable-log-stats", *extra]
+
+
+def _serve(model, port, env, log_path, extra=()):
+    cmd = server_command(model, port, *extra)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     end = time.time() + START_TIMEOUT

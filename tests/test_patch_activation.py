@@ -22,6 +22,7 @@ if not os.environ.get("CI"):  # in CI a missing vLLM is a failure, not a skip
 # -- version gate and probes --------------------------------------------------------------------
 def test_probes_pass_on_installed_vllm():
     assert patch_points.run_probes(cpu=True) == []
+    assert patch_points.run_probes(cpu=True, unconditional=True) == []
     assert patch_points.runtime_signatures() == []
 
 
@@ -56,6 +57,7 @@ def test_probes_pass_on_released_vllm_sources(release, wheel_dir):
     with zipfile.ZipFile(wheels[0]) as z:
         names = set(z.namelist())
         read = lambda p: z.read(p).decode() if p in names else None  # noqa: E731
+        assert patch_points.run_probes(read, unconditional=True) == []  # vLLM's --use-replayssm
         assert patch_points.run_probes(read, cpu=False) == []
         assert patch_points.run_probes(read, cpu=True) == []
 
@@ -163,3 +165,4 @@ def test_every_point_says_what_why_how_and_when_it_goes():
         assert p.applies in ("process start", "first ring layer", "ring layer", "ring backend"), p
         assert all((p.what, p.why, p.how, p.upstream, p.remove_when)), p
         assert p.required is False or p.probes or p.applies != "process start", p
+        assert not p.unconditional or (p.probes and p.applies == "process start" and p.kind == "wrap"), p

@@ -21,6 +21,8 @@ from replayssm_patch.plan import NOT_PAYING, OPT_IN, UNSUPPORTED, make_plan
 if not os.environ.get("CI"):
     pytest.importorskip("vllm")
 
+from replayssm_patch.vllm import gdn_layer, model_class  # noqa: E402 (imported before CUDA is faked)
+
 GIB = 1 << 30
 T9 = (["linear_attention"] * 3 + ["full_attention"]) * 8
 SHAPES = {  # hidden, intermediate, layer types, MoE (experts, expert width, shared, top-k), KV heads
@@ -128,6 +130,17 @@ def test_cpu_defaults_stay_native_by_the_rule_and_serve_on_request():
     assert not native.serves and [r.kind for r in native.reasons] == [OPT_IN]
 
 
+@pytest.mark.parametrize("buffer_len,T", [(1, 3), (4, 3), (8, 3), (16, 3), (4, 7), (32, 7)])
+def test_mtp_ring_length_from_vllms_flag(buffer_len, T):
+    """--replayssm-buffer-len N is the ring length as ring_len is: with MTP the plan still makes
+    room for two verify windows (spec_ring_len), whatever N; vLLM's own rule for its flag
+    (N >= 1 + T) does not apply."""
+    from replayssm_patch.config import from_vllm_flag
+
+    p = make_plan(mtp(T), from_vllm_flag(buffer_len, {}))
+    assert p.serves and p.geometry.ring_len == plan.spec_ring_len(buffer_len, T) == max(buffer_len, 2 * (T + 1))
+
+
 def test_mtp_on_cuda_takes_the_ring_by_default(on_cuda):
     p = make_plan(mtp(7), ON, memory_bytes=80 * GIB)
     assert p.serves and p.spec_tokens == 7 and p.geometry.ring_len == 16 and "state slot" in p.rationale
@@ -213,7 +226,6 @@ def test_plan_log_lines_and_strict_mode(on_cuda, monkeypatch, caplog, clean_patc
     """One log line per decision: native by choice at INFO, a limitation as a warning (raised in
     strict mode), a served plan at INFO with its rationale."""
     from replayssm_patch.state import STATE, PatchRefused
-    from replayssm_patch.vllm import gdn_layer, model_class
 
     monkeypatch.setattr(model_class, "ensure", lambda cfg, extra, state: (True, ""))
     monkeypatch.setattr(logging.getLogger("vllm.replayssm_patch"), "propagate", True)

@@ -33,6 +33,9 @@ def test_configs():
     assert n["linear_key_head_dim"] == n["linear_value_head_dim"] == 64
     assert tiny_model_config("qwen3_5", mtp_layers=2)["mtp_num_hidden_layers"] == 2
     assert tiny_model_config("qwen3_5", vocab_size=512)["vocab_size"] == 512
+    q4 = tiny_model_config("qwen4_exp", ple_layer_ids=[2])
+    assert q4["architectures"] == ["Qwen4ExpForCausalLM"] and q4["model_type"] == "qwen4_exp_text"
+    assert q4["ple_layer_ids"] == [2] and q4["hc_count"] == 2 and "indexer_n_heads" not in q4
     with pytest.raises(ValueError, match="gdn_head_dim"):
         tiny_model_config("qwen3_5", gdn_head_dim=32)
     with pytest.raises(ValueError, match="arch"):

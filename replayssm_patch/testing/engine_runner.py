@@ -5,7 +5,7 @@ process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
 
     {"model": path, "patched": bool, "ring_len": int, "min_batch": int | "auto" (default 1),
      "allow_mtp": bool (default False),
-     "via": "patch" | "env",
+     "via": "patch" | "env" | "flag",
      "engines": [{"name": str, "engine": {LLM kwargs}, "scenario": "batch" | "staggered",
                   "prompts": [[token ids] | {"ids": [...], "image_seed": int}...],
                   "max_tokens": [int...],
@@ -14,6 +14,9 @@ process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
                   "teacher_forced": {"save": path, "tokens": [[ids]...] | None,
                                      "tokens_from": engine name | None} (optional)}]}
 
+"via": "patch" calls replayssm_patch.patch() with the spec's options; "env" leaves it to the
+plugin and the environment; "flag" to the engines' own kwargs (`use_replayssm=True`,
+`replayssm_buffer_len`: vLLM's switch, replayssm_patch.vllm.replayssm_flag).
 "batch" submits every prompt at once; "staggered" adds one request per engine step, so new
 prefills share steps with running decodes (mixed batches). "teacher_forced" records every
 position's logprobs (testing.teacher_forced) into `save`, forcing the given tokens, or those an

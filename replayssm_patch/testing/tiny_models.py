@@ -1,4 +1,4 @@
-"""Tiny random-weight Qwen3.5 / Qwen3-Next checkpoints for tests and demos (no download).
+"""Tiny random-weight Qwen3.5 / Qwen3-Next / Qwen4Exp checkpoints for tests and demos (no download).
 
 vLLM's dummy weight loader seeds every tensor identically, so the embedding equals the LM head
 and greedy decoding just repeats the last prompt token whatever the GDN layers compute: useless
@@ -20,6 +20,14 @@ GDN 2 key heads / 4 value heads of ``gdn_head_dim`` (128 or 64; vLLM's CPU GDN k
   least one MoE layer, so the last layer is MoE (4 experts, top 2) and the others are dense.
 * ``arch="qwen3_5_moe"``: ``Qwen3_5MoeForCausalLM``, every layer MoE (4 experts, all active,
   and a shared expert).
+* ``arch="qwen4_exp"``: ``Qwen4ExpForCausalLM`` (model_type ``qwen4_exp_text``), what vLLM's
+  Qwen4Exp class builds: GDN layers beside plain attention (no QSA indexer: vLLM then builds
+  Qwen3-Next attention), every layer MoE (4 experts, top 2, a shared expert), two hyper-connection
+  streams of rank 32, output gate silu; with ``ple_layer_ids=[i, ...]`` (one-indexed GDN layers)
+  also its per-layer n-gram embeddings (PLE: n-gram size 3, 2 heads per n-gram, 64 dims, hashed
+  vocabularies from 2000) and their short convolution. transformers builds the attention only
+  with a QSA indexer, so the weights are drawn with a one-head indexer whose tensors are then
+  left out, as its fields are of config.json.
 * ``arch="qwen3_5_vl"`` / ``"qwen3_5_moe_vl"``: ``Qwen3_5ForConditionalGeneration`` /
   ``Qwen3_5MoeForConditionalGeneration``, the text model above (``text_config``) with a
   one-block vision tower of 64 channels, patch 16, merge 2, and what vLLM's multimodal processor
@@ -51,11 +59,16 @@ ARCHS = {
     "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "qwen4_exp": ("Qwen4ExpForCausalLM", "qwen4_exp_text"),
     # vision-language: the text model above inside a minimal vision tower (one block)
     "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", "qwen3_5"),
     "qwen3_5_moe_vl": ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
 }
 VL_ARCHS = ("qwen3_5_vl", "qwen3_5_moe_vl")
+# transformers' Qwen4Exp attention always has a QSA indexer: these fields build it for drawing
+# the weights; config.json leaves them out (and the checkpoint its tensors)
+QWEN4_EXP_BUILD_ONLY = dict(indexer_n_heads=1, indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=64,
+                            indexer_compress_ratio=4)
 # the vision-language models' special tokens (inside the 1024-token vocabulary; the tests'
 # random prompts draw token ids below 1000)
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 1000, 1001, 1002, 1003
@@ -147,6 +160,12 @@ def tiny_model_config(
         del cfg["intermediate_size"]
         cfg.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=128,
                    shared_expert_intermediate_size=128)
+    if arch == "qwen4_exp":
+        del cfg["intermediate_size"]
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                   shared_expert_intermediate_size=128, output_gate_type="silu", hc_count=2, hc_lowrank=32,
+                   ple_layer_ids=[], ple_embed_dim=64, ngram_size=3, heads_per_ngram=2,
+                   ngram_vocab_size_base=2000, split_ngram_parts=1)
     if mtp_layers:
         cfg["mtp_num_hidden_layers"] = mtp_layers
     cfg.update(overrides)
@@ -252,6 +271,9 @@ def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weig
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs = dict(config)
+    qsa_added = kwargs["model_type"] == "qwen4_exp_text" and kwargs.get("indexer_n_heads") is None
+    if qsa_added:
+        kwargs.update(QWEN4_EXP_BUILD_ONLY)
     hf_cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     vision = "vision_config" in config
     for c in (hf_cfg, hf_cfg.get_text_config()):
@@ -260,7 +282,8 @@ def _write_checkpoint(path: Path, config: dict, seed: int, init_std: float, weig
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(hf_cfg, dtype=torch.float32)
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()
+                 if not (qsa_added and ".self_attn.indexer." in k)}
         mtp = int(config.get("mtp_num_hidden_layers", 0) or 0)
         if mtp:
             state.update(_mtp_weights(state, config, mtp, init_std))

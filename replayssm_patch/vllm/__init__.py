@@ -7,6 +7,8 @@ it can go, when it applies, and the source probes that must pass before anything
 
 When a point applies:
   "process start"    installed by `install()` (patch() or the plugin, in every vLLM process);
+                     an `unconditional` one by `install_unconditional()` (the plugin, in every
+                     process, whatever the config: its replacement is inert until asked for);
   "first ring layer" installed when vLLM builds the first GDN layer the plan puts on the ring
                      (the served model class is known only then);
   "ring layer"       applied to each GDN layer the plan puts on the ring, as it is built;
@@ -23,11 +25,13 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 from .. import versions
 from ..versions import (
+    ARG_UTILS,
     CPU_GDN,
     CUSTOM_OP,
     GDN_BUILDER,
@@ -36,11 +40,13 @@ from ..versions import (
     QWEN_GDN,
     Probe,
     assigns_attribute,
+    calls_in_order,
     calls_with_keywords,
     dataclass_fields,
     has_method,
     imports_name,
     installed_source,
+    method_calls,
     registers_op,
 )
 
@@ -69,6 +75,10 @@ class PatchPoint:
     platform: str = "any"  # "any" | "cpu" | "cuda"
     required: bool = True  # False: skipped where this vLLM build lacks the attribute
     probes: tuple[Probe, ...] = ()
+    # True: installed by install_unconditional() in every process, also with the ring off (its
+    # replacement does nothing until the user asks for it); where its probes fail it is not
+    # installed, and the ring's own points are not held back by it
+    unconditional: bool = False
 
     @property
     def name(self) -> str:
@@ -207,6 +217,29 @@ POINTS = (
         upstream="none: a plugin's own report", remove_when="vLLM offers plugins a status channel",
         probes=(Probe("worker base class", WORKER_BASE, has_method("WorkerBase", "__init__")),)),
     PatchPoint(
+        "wrap", "vllm.engine.arg_utils", "EngineArgs.create_model_config",
+        "replayssm_patch.vllm.replayssm_flag:make_wrapper", unconditional=True,
+        what="vLLM's own --use-replayssm / LLM(use_replayssm=True) turns this package's ring on for model "
+             "classes that build Qwen GDN layers, --replayssm-buffer-len giving the ring length",
+        why="vLLM's flag is Mamba2 ReplaySSM: its validator refuses every class without SupportsReplaySSM (no "
+            "Qwen class has it) and its machinery acts on every Mamba layer (no speculative state blocks, "
+            "backend and model-runner constraints)",
+        how="after vLLM's create_model_config, for such a class: the flag is taken off the EngineArgs before "
+            "CacheConfig is built, the patch applies in this process and its config goes into the environment "
+            "for vLLM's engine-core and worker processes; other classes pass through untouched",
+        upstream="GDN ReplaySSM behind vLLM's own flag (the Qwen GDN classes declaring SupportsReplaySSM)",
+        remove_when="vLLM serves --use-replayssm for the Qwen GDN classes itself",
+        probes=(
+            Probe("EngineArgs flag fields", ARG_UTILS, dataclass_fields("EngineArgs", ["use_replayssm",
+                                                                                    "replayssm_buffer_len"])),
+            Probe("EngineArgs.create_model_config", ARG_UTILS,
+                  has_method("EngineArgs", "create_model_config", ["self"], exact=True)),
+            Probe("ModelConfig before CacheConfig", ARG_UTILS, calls_in_order(
+                "EngineArgs", "create_engine_config", "create_model_config", "CacheConfig", "use_replayssm")),
+            Probe("plugins load in EngineArgs", ARG_UTILS, method_calls("EngineArgs", "__post_init__",
+                                                                        "load_general_plugins")),
+        )),
+    PatchPoint(
         "environment", "flashinfer.gdn_kernels", "SGLANG_GDN_WY_STRIDED_QKV",
         "replayssm_patch.ring.flashinfer:load_kernel", platform="cuda", required=False,
         what="FlashInfer's ReplaySSM MTP kernel reads block-strided pools (set only with mtp_kernel='flashinfer')",
@@ -217,26 +250,32 @@ POINTS = (
 )
 
 
-def points_for(platform: str) -> tuple[PatchPoint, ...]:
-    return tuple(p for p in POINTS if p.platform in ("any", platform))
+def points_for(platform: str, unconditional: bool = False) -> tuple[PatchPoint, ...]:
+    """This platform's points: the ring's, or (`unconditional`) those installed whatever the config."""
+    return tuple(p for p in POINTS if p.platform in ("any", platform) and p.unconditional == unconditional)
 
 
-def run_probes(read_source: Callable[[str], str | None] = installed_source, cpu: bool = False) -> list[str]:
+def run_probes(read_source: Callable[[str], str | None] = installed_source, cpu: bool = False,
+               unconditional: bool = False) -> list[str]:
     """The failed probes of this platform's required points (empty: all look as expected; a point
     that is not required applies only where its vLLM has it); `read_source(path)` gives a vLLM
-    source file's text (the installed one, or a released wheel's)."""
-    failures, trees = [], {}
-    for point in points_for("cpu" if cpu else "cuda"):
-        if not point.required:
-            continue
-        for probe in point.probes:
-            if probe.path not in trees:
-                text = read_source(probe.path)
-                trees[probe.path] = ast.parse(text) if text is not None else None
-            tree = trees[probe.path]
-            why = f"{probe.path} missing" if tree is None else probe.check(tree)
-            if why:
-                failures.append(f"{probe.name}: {why}")
+    source file's text (the installed one, or a released wheel's). `unconditional`: the probes of
+    the points install_unconditional() installs instead of the ring's."""
+    trees: dict = {}
+    return [f for point in points_for("cpu" if cpu else "cuda", unconditional) if point.required
+            for f in _probe_failures(point, read_source, trees)]
+
+
+def _probe_failures(point: PatchPoint, read_source, trees: dict) -> list[str]:
+    failures = []
+    for probe in point.probes:
+        if probe.path not in trees:
+            text = read_source(probe.path)
+            trees[probe.path] = ast.parse(text) if text is not None else None
+        tree = trees[probe.path]
+        why = f"{probe.path} missing" if tree is None else probe.check(tree)
+        if why:
+            failures.append(f"{probe.name}: {why}")
     return failures
 
 
@@ -303,6 +342,56 @@ def install(platform: str, state) -> list[str]:
             state.undo.append(lambda m=module, a=point.attribute, n=native: setattr(m, a, n))
             patched.append(point.name)
     return patched
+
+
+_HOOK_MARK = "_replayssm_patch_hook"  # set on what install_unconditional() installed
+
+
+def _method_owner(point: PatchPoint):
+    cls_name, _, method = point.attribute.partition(".")
+    return getattr(importlib.import_module(point.module), cls_name), method
+
+
+def install_unconditional(read_source: Callable[[str], str | None] = installed_source) -> list[str]:
+    """Install the unconditional points (class methods wrapped) whose probes pass; idempotent. A
+    vLLM without what a point changes (say, without the --use-replayssm flag) fails its probes:
+    nothing to install there, and no error. Returns the names of the points installed now or
+    before. Kept apart from `state.undo`: revert() and unpatch() leave them (they are inert)."""
+    installed, trees = [], {}
+    for point in POINTS:
+        if not point.unconditional:
+            continue
+        owner, method = _method_owner(point)
+        current = getattr(owner, method, None)
+        if not getattr(current, _HOOK_MARK, False):
+            if current is None or _probe_failures(point, read_source, trees):
+                continue
+            wrapper = resolve(point.replacement)(current)
+            setattr(wrapper, _HOOK_MARK, True)
+            setattr(owner, method, wrapper)
+        installed.append(point.name)
+    return installed
+
+
+def unconditional_installed() -> list[str]:
+    """The unconditional points installed in this process (status()["hooks"])."""
+    out = []
+    for point in POINTS:
+        if point.unconditional and point.module in sys.modules:
+            owner, method = _method_owner(point)
+            if getattr(getattr(owner, method, None), _HOOK_MARK, False):
+                out.append(point.name)
+    return out
+
+
+def uninstall_unconditional() -> None:
+    """Put back vLLM's methods (tests)."""
+    for point in POINTS:
+        if point.unconditional:
+            owner, method = _method_owner(point)
+            current = getattr(owner, method, None)
+            if getattr(current, _HOOK_MARK, False):
+                setattr(owner, method, current.__wrapped__)
 
 
 def revert(state) -> None:

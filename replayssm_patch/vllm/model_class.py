@@ -23,23 +23,24 @@ from .. import versions
 _MARK = "_replayssm_page_hook"
 
 
-def _model_class(vllm_config):
+def _model_class(config):
+    """The model class vLLM serves for `config` (a VllmConfig or its ModelConfig)."""
     from vllm.model_executor.models.registry import ModelRegistry
 
-    mc = vllm_config.model_config
+    mc = getattr(config, "model_config", config)
     cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
     return cls
 
 
-def builds_qwen_gdn_layers(vllm_config) -> tuple[bool, str]:
-    """Whether the served model class builds vLLM's `QwenGatedDeltaNetAttention` (the class the
+def builds_qwen_gdn_layers(config) -> tuple[bool, str]:
+    """Whether the served model class (of `config`, a VllmConfig or its ModelConfig) builds vLLM's `QwenGatedDeltaNetAttention` (the class the
     patch replaces, by name) somewhere below it: follows the vLLM classes each class's source
     names, starting from the model class and its bases. Olmo, Kimi and other GDN layers are
     their own classes and stay native."""
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention as target
 
     try:
-        cls = _model_class(vllm_config)
+        cls = _model_class(config)
     except Exception as e:
         return False, f"cannot resolve the model class: {e}"
     seen, todo = set(), [cls]
