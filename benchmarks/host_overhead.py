@@ -35,6 +35,7 @@ import functools
 import importlib
 import json
 import os
+import pkgutil
 import platform
 import statistics
 import sys
@@ -46,7 +47,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 import torch  # noqa: E402
 
 H, HV, K, V, L = 16, 32, 128, 128, 16  # the Qwen3-Next / Qwen3.5-9B GDN shape
-KERNEL_MODULES = ("decode", "decode_fused", "decode_two_phase", "decode_replay", "decode_tma", "ring_decode", "verify")
 
 
 class _NoLaunch:
@@ -57,10 +57,12 @@ class _NoLaunch:
 
 
 def stub_kernels(pkg: str) -> None:
-    """Replace every @triton.jit kernel (a `_..._kernel` attribute) of the package's decode modules."""
-    for name in KERNEL_MODULES:
+    """Replace every @triton.jit kernel (a `_..._kernel` attribute) of every module of the package
+    (the one it launches from may be any of them: the prep kernel has a module of its own)."""
+    package = importlib.import_module(pkg)
+    for info in pkgutil.iter_modules(package.__path__):
         try:
-            mod = importlib.import_module(f"{pkg}.{name}")
+            mod = importlib.import_module(f"{pkg}.{info.name}")
         except ImportError:
             continue
         for attr in dir(mod):

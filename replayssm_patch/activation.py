@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
+from packaging.version import Version
+
 from . import versions
 from . import vllm as points
 from .config import ReplayConfig, _bool
@@ -29,7 +31,7 @@ def refusal_reasons(platform: str) -> list[str]:
     if _bool("UNSLOTH_VLLM_REPLAYSSM", os.environ.get("UNSLOTH_VLLM_REPLAYSSM", "0").strip() or "0"):
         return ["unsloth-zoo's own GDN ReplaySSM backport is enabled (UNSLOTH_VLLM_REPLAYSSM); "
                 "use one or the other, not both"]
-    reasons = points.run_probes(cpu=platform == "cpu")
+    reasons = points.run_probes(cpu=platform == "cpu", version=Version(v.base_version))
     if reasons:
         return reasons
     from vllm.model_executor.custom_op import op_registry_oot

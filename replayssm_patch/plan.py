@@ -220,6 +220,10 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
         limits.append(f"MTP with prefix caching (mamba_cache_mode={mode!r}): align mode moves states between "
                       "blocks at offsets the ring's delayed commit does not track yet; disable prefix caching "
                       "to use the ring with MTP")
+    if getattr(spec, "enable_adaptive_verification", False):
+        limits.append("adaptive verification (enable_adaptive_verification, vLLM >= 0.34) trims the verify windows "
+                      "on the device after the host metadata is built, which the ring's verify has not been "
+                      "validated with; turn it off to use the ring with MTP")
     if T + 1 > MAX_SPEC_RING_LEN:
         limits.append(f"num_speculative_tokens={T}: a verify window must fit the ring (<= {MAX_SPEC_RING_LEN} entries)")
     if platform == "cuda" and versions.capabilities().version < versions.MTP_CUDA_MIN_VERSION:

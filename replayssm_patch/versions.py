@@ -2,8 +2,8 @@
 
 Probes read vLLM's *source* (parsed, not imported) so the same checks run against the
 installed vLLM and against the released wheels of every supported version; each patch point
-of `patch_points.POINTS` names the probes it depends on. `capabilities()` is computed once per
-vLLM version, and every version-dependent branch of the package reads it.
+of `replayssm_patch.vllm.POINTS` names the probes it depends on. `capabilities()` is computed
+once per vLLM version, and every version-dependent branch of the package reads it.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import functools
 import importlib.util
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 from packaging.version import InvalidVersion, Version
 
 MIN_VERSION = Version("0.29")
-MAX_VERSION = Version("0.34")  # exclusive
+MAX_VERSION = Version("0.35")  # exclusive
 SUPPORTED_RANGE = f">={MIN_VERSION}, <{MAX_VERSION}"
 
 QWEN_GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
@@ -29,7 +29,6 @@ MAMBA_ABSTRACT = "vllm/model_executor/layers/mamba/abstract.py"
 KV_IFACE = "vllm/v1/kv_cache_interface.py"
 CUSTOM_OP = "vllm/model_executor/custom_op.py"
 CPU_GDN = "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py"
-CUSTOM_OPS = "vllm/_custom_ops.py"
 ARG_UTILS = "vllm/engine/arg_utils.py"
 
 
@@ -55,6 +54,17 @@ def installed_vllm_version() -> str | None:
 
 MTP_CUDA_MIN_VERSION = Version("0.32")  # the CUDA MTP routing is written for vLLM 0.32 and later
 MRV2_ONLY_VERSION = Version("0.34")  # vLLM's V1 model runner is gone (and use_v2_model_runner with it)
+CPU_OPS_VERSION = Version("0.34")  # the CPU build's kernel wrappers moved from vllm._custom_ops to vllm._cpu_ops
+
+
+def cpu_ops_module(version: Version) -> str:
+    """The module whose functions vLLM's CPU GDN path calls (`ops.<kernel>_cpu`) in `version`."""
+    return "vllm._cpu_ops" if version >= CPU_OPS_VERSION else "vllm._custom_ops"
+
+
+def module_source_path(module: str) -> str:
+    """vllm.x.y -> vllm/x/y.py (the path the probes read)."""
+    return module.replace(".", "/") + ".py"
 
 
 @dataclass(frozen=True)
@@ -64,37 +74,52 @@ class Capabilities:
     version: Version  # its base version
     platform_prefers_specs: bool  # the hybrid page is sized from get_mamba_specs_from_config (0.31+)
     gdn_metadata_reuse: bool  # GDNAttentionMetadataBuilder.update_block_table (0.31+)
+    cpu_ops_module: str  # where the CPU build's GDN kernel wrappers live (cpu_ops_module())
     cpu_spec_path: bool  # the CPU build's speculative GDN path and kernel
     mtp_cuda: bool  # MTP on CUDA can go through the ring (0.32+)
+    mrv2_only: bool  # only the V2 model runner exists (0.34+)
+    state_alignment: bool  # MambaSpec.state_alignment: each state's bytes in a page rounded up to it (0.34+)
+
+
+def installed_base_version() -> Version | None:
+    """The installed vLLM's base version (0.32.0 for 0.32.0+cpu; None: absent or unparsable)."""
+    v = parse_version(installed_vllm_version() or "")
+    return None if v is None else Version(v.base_version)
 
 
 def capabilities() -> Capabilities | None:
     """The installed vLLM's capabilities (None: vLLM absent or its version unparsable)."""
-    v = parse_version(installed_vllm_version() or "")
-    return None if v is None else _capabilities_of(Version(v.base_version))
+    v = installed_base_version()
+    return None if v is None else _capabilities_of(v)
+
+
+def _defines(path: str, *functions: str) -> bool:
+    """The installed vLLM's file `path` defines every one of the module-level `functions` (read, not imported)."""
+    text = installed_source(path)
+    if text is None:
+        return False
+    tree = ast.parse(text)
+    return all(has_method(None, fn)(tree) is None for fn in functions)
 
 
 @functools.lru_cache(maxsize=None)
 def _capabilities_of(version: Version) -> Capabilities:
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     try:
         prefers_specs = "get_mamba_specs_from_config" in inspect.getsource(Platform._align_hybrid_block_size)
     except (OSError, TypeError, AttributeError):
         prefers_specs = False
-    try:
-        import vllm._custom_ops as custom_ops
-        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_mod
-
-        cpu_spec = all(callable(getattr(m, n, None)) for m, n in (
-            (custom_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"),
-            (cpu_mod, "_cpu_gdn_attention_spec_aware")))
-    except Exception:  # a build without the CPU GDN ops
-        cpu_spec = False
+    ops = cpu_ops_module(version)
+    cpu_spec = (_defines(module_source_path(ops), "fused_sigmoid_gating_delta_rule_update_spec_cpu")
+                and _defines(CPU_GDN, "_cpu_gdn_attention_spec_aware"))
     return Capabilities(version=version, platform_prefers_specs=prefers_specs,
                         gdn_metadata_reuse=hasattr(GDNAttentionMetadataBuilder, "update_block_table"),
-                        cpu_spec_path=cpu_spec, mtp_cuda=version >= MTP_CUDA_MIN_VERSION)
+                        cpu_ops_module=ops, cpu_spec_path=cpu_spec, mtp_cuda=version >= MTP_CUDA_MIN_VERSION,
+                        mrv2_only=version >= MRV2_ONLY_VERSION,
+                        state_alignment="state_alignment" in {f.name for f in fields(MambaSpec)})
 
 
 @dataclass(frozen=True)
@@ -139,6 +164,33 @@ def imports_name(name: str):
             if isinstance(n, ast.ImportFrom) and any(a.name == name and a.asname is None for a in n.names):
                 return None
         return f"module does not import {name}"
+
+    return check
+
+
+def advances_offset_by(cls: str, fn: str, *forms: str):
+    """`cls.fn` advances its `offset` (`offset += ...`) only by expressions written as one of
+    `forms` (the way a packing loop steps from one state to the next)."""
+    def check(tree):
+        node = _find(tree, cls, fn)
+        if node is None:
+            return f"{cls}.{fn} not found"
+        steps = {ast.unparse(n.value) for n in ast.walk(node)
+                 if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and n.target.id == "offset"}
+        if steps and steps <= set(forms):
+            return None
+        return f"{cls}.{fn} advances offset by {sorted(steps)}, expected one of {list(forms)}"
+
+    return check
+
+
+def imports_module_as(module: str, alias: str):
+    """The module does `import <module> as <alias>` (the name it calls that module's functions by)."""
+    def check(tree):
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import) and any(a.name == module and a.asname == alias for a in n.names):
+                return None
+        return f"module does not import {module} as {alias}"
 
     return check
 

@@ -106,7 +106,7 @@ def _args(mod, tmp_path, **over):
     a = argparse.Namespace(batches="1,64", state_dtype="float32", kernel_json=None, kernel_shape="qwen3-next",
                            compile_mode=3, cudagraph_mode="FULL_AND_PIECEWISE", mtp=0, mtp_kernel="triton", shape="9b", tp=1,
                            gdn_heads="16,32", out=str(tmp_path / "e2e.json"), plot=str(tmp_path / "e2e.png"),
-                           gpu_util=0.45, control=False)
+                           gpu_util=0.45, control=False, min_batch=1)
     for k, v in over.items():
         setattr(a, k, v)
     return a
@@ -198,10 +198,11 @@ def test_e2e_mtp_summary_keys(tmp_path):
 _ROOM = "(EngineCore pid=7) INFO [kv_cache_utils.py:1147] GPU KV cache size: 200,000 tokens, " \
         "Maximum concurrency for 392 tokens per request: {}x"
 _RING = "replayssm_patch: Qwen3_5ForCausalLM GDN layers decode through the ring (L=32, ...)"
-_MTP = "replayssm_patch: MTP speculative decoding (T=3) goes through the ring on CUDA, ... verify kernel: {}"
+_MTP = ("replayssm_patch: Qwen3_5ForCausalLM GDN layers decode through the ring on MTP (T=3) verify steps, "
+        "one state slot per request, verify kernel {} (L=16, ...)")
 
 
-def test_e2e_engine_logs_must_show_the_arm_asked_for(tmp_path):
+def test_e2e_engine_logs_must_show_the_arm_asked_for(tmp_path, monkeypatch):
     """A patched engine that stayed native, or served MTP with another verify kernel than
     --mtp-kernel (an option that did not reach the engine), or a native engine with the ring,
     stops the run; the cache lines are kept."""
@@ -219,9 +220,12 @@ def test_e2e_engine_logs_must_show_the_arm_asked_for(tmp_path):
         mod.check_engine_log("control", room + "\n" + _RING, _args(mod, tmp_path, control=True), 512)
     with pytest.raises(SystemExit, match="decode through the ring"):
         mod.check_engine_log("patched", room + "\nGDN layers native", _args(mod, tmp_path), 512)
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)  # the kernel is CUDA's
     fi = _args(mod, tmp_path, mtp=3, mtp_kernel="flashinfer")
     mod.check_engine_log("patched", "\n".join([room, _RING, _MTP.format("flashinfer")]), fi, 512)
-    with pytest.raises(SystemExit, match="verify kernel: flashinfer"):
+    with pytest.raises(SystemExit, match="verify kernel flashinfer"):
         mod.check_engine_log("patched", "\n".join([room, _RING, _MTP.format("triton")]), fi, 512)
 
 

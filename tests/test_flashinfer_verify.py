@@ -51,3 +51,31 @@ def test_uniform_windows_from_host_metadata():
     assert call._uniform_windows(SimpleNamespace(num_spec_decodes=3, num_spec_decode_tokens=12), 4)
     assert not call._uniform_windows(SimpleNamespace(num_spec_decodes=3, num_spec_decode_tokens=11), 4)
     assert not call._uniform_windows(SimpleNamespace(num_spec_decodes=0, num_spec_decode_tokens=0), 4)
+
+
+def test_flashinfer_gets_compact_gates_from_strided_ones(monkeypatch):
+    """vLLM 0.34's Qwen3.5 layer hands a / b over as column blocks of one [tokens, 2*HV]
+    projection (row stride 2*HV): FlashInfer's kernel is given compact copies of the same values;
+    our bookkeeping around it is stubbed (it runs on CUDA only)."""
+    rows, window, HV, H, K, V, L = 2, 4, 4, 2, 128, 128, 32
+    n = rows * window
+    seen = {}
+
+    def kernel(A_log, a, dt_bias, **kw):
+        seen.update(a=a, b=kw["b"])
+
+    slots = torch.tensor([1, 2], dtype=torch.int32)
+    monkeypatch.setattr(flashinfer_verify, "load_kernel", lambda: (kernel, ""))
+    monkeypatch.setattr(flashinfer_verify, "lib", SimpleNamespace(
+        ucache_prepare=lambda cursor, slots, acc, L, live: (slots, slots, slots, slots),
+        ring_materialize=lambda *args: None, ucache_finish=lambda *args: None))
+    ba = torch.randn(n, 2 * HV, dtype=BF16)
+    b, a = ba[:, :HV], ba[:, HV:]
+    assert not a.is_contiguous() and a.stride(0) == 2 * HV
+    ring = SimpleNamespace(d=torch.zeros(3, HV, L, V, dtype=BF16), k=torch.zeros(3, H, L, K, dtype=BF16),
+                           g=torch.zeros(3, HV, L), cursor=torch.zeros(3, dtype=torch.int32))
+    flashinfer_verify.verify(torch.zeros(n, 2 * H * K + HV * V, dtype=BF16), a, b, torch.zeros(HV), torch.zeros(HV),
+                             K ** -0.5, torch.zeros(3, HV, V, K, dtype=BF16), torch.empty(n, HV, V, dtype=BF16), slots,
+                             ring, torch.ones(2, dtype=torch.int32), window)
+    assert seen["a"].is_contiguous() and seen["b"].is_contiguous()
+    assert torch.equal(seen["a"].reshape(n, HV), a) and torch.equal(seen["b"].reshape(n, HV), b)

@@ -9,6 +9,7 @@ import sys
 import zipfile
 
 import pytest
+from packaging.version import Version
 
 from replayssm_patch import versions
 from replayssm_patch import vllm as patch_points
@@ -36,7 +37,7 @@ def test_probe_detects_a_changed_patch_point():
     assert any("gdn_attn.py missing" in f for f in missing)
 
 
-RELEASES = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+RELEASES = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +47,76 @@ def wheel_dir():
     return d
 
 
-@pytest.mark.parametrize("release", RELEASES)
-def test_probes_pass_on_released_vllm_sources(release, wheel_dir):
-    """The released CUDA wheels are read as zip files (never imported) and probed."""
+def _released_sources(release: str, wheel_dir):
+    """A reader of the released CUDA wheel's files (downloaded once into the test cache)."""
     wheels = list(wheel_dir.glob(f"vllm-{release}-*.whl"))
     if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={release}",
                         "-d", str(wheel_dir)], check=True, timeout=900)
         wheels = list(wheel_dir.glob(f"vllm-{release}-*.whl"))
-    with zipfile.ZipFile(wheels[0]) as z:
-        names = set(z.namelist())
-        read = lambda p: z.read(p).decode() if p in names else None  # noqa: E731
-        assert patch_points.run_probes(read, unconditional=True) == []  # vLLM's --use-replayssm
-        assert patch_points.run_probes(read, cpu=False) == []
-        assert patch_points.run_probes(read, cpu=True) == []
+
+    def read(path: str) -> str | None:
+        with zipfile.ZipFile(wheels[0]) as z:
+            return z.read(path).decode() if path in z.namelist() else None
+
+    return read
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_probes_pass_on_released_vllm_sources(release, wheel_dir):
+    """The released CUDA wheels are read as zip files (never imported) and probed, each with the
+    points that exist in that release."""
+    read = _released_sources(release, wheel_dir)
+    assert patch_points.run_probes(read, cpu=False, version=Version(release)) == []
+    assert patch_points.run_probes(read, cpu=True, version=Version(release)) == []
+    assert patch_points.run_probes(read, version=Version(release), unconditional=True) == []  # --use-replayssm
+
+
+def test_probes_see_the_cpu_kernels_move_to_cpu_ops(wheel_dir):
+    """vLLM 0.34 moved the CPU GDN kernels from vllm._custom_ops to vllm._cpu_ops: 0.33's points
+    fail their probes on 0.34's sources, and 0.34's on 0.33's."""
+    new, old = _released_sources("0.34.0", wheel_dir), _released_sources("0.33.0", wheel_dir)
+    moved = patch_points.run_probes(new, cpu=True, version=Version("0.33.0"))
+    assert any("CPU decode kernel" in f for f in moved) and any("vllm._custom_ops as ops" in f for f in moved), moved
+    back = patch_points.run_probes(old, cpu=True, version=Version("0.34.0"))
+    assert any("_cpu_ops.py missing" in f for f in back), back
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_cpu_kernel_points_name_the_module_of_their_release(release):
+    version = Version(release)
+    kernels = [p for p in patch_points.points_for("cpu", version) if p.attribute.endswith("_cpu")]
+    assert sorted(p.attribute for p in kernels) == ["fused_sigmoid_gating_delta_rule_update_cpu",
+                                                     "fused_sigmoid_gating_delta_rule_update_spec_cpu"]
+    assert {p.module for p in kernels} == {versions.cpu_ops_module(version)}
+    assert versions.cpu_ops_module(version) == ("vllm._cpu_ops" if version >= Version("0.34") else "vllm._custom_ops")
+    assert not any(p.attribute.endswith("_cpu") for p in patch_points.points_for("cuda", version))
+
+
+def test_installed_capabilities_name_the_cpu_ops_module():
+    caps = versions.capabilities()
+    assert caps.cpu_ops_module == versions.cpu_ops_module(caps.version)
+    assert caps.mrv2_only == (caps.version >= Version("0.34"))
 
 
 def test_version_range():
-    ok = [versions.parse_version(v) for v in ("0.29.0", "0.31.0", "0.32.0+cpu", "0.33.1")]
-    bad = [versions.parse_version(v) for v in ("0.28.2", "0.34.0", "1.0.0")]
+    ok = [versions.parse_version(v) for v in ("0.29.0", "0.31.0", "0.32.0+cpu", "0.33.1", "0.34.0", "0.34.2",
+                                              "0.34.0+cpu")]
+    bad = [versions.parse_version(v) for v in ("0.28.2", "0.35.0", "0.35.0rc1", "1.0.0")]
     assert all(versions.version_in_range(v) for v in ok)
     assert not any(versions.version_in_range(v) for v in bad)
+
+
+@pytest.mark.parametrize("version,accepted", [("0.34.0", True), ("0.34.3", True), ("0.35.0", False)])
+def test_the_version_gate_accepts_034_and_refuses_035(version, accepted, clean_patch_state, monkeypatch):
+    """The gate itself (the probes that follow read the installed vLLM's files, whatever
+    version it is said to be here)."""
+    from replayssm_patch import activation
+
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: version)
+    reasons = activation.refusal_reasons(activation.platform())
+    assert any("outside the supported range" in r for r in reasons) != accepted, reasons
+    assert versions.SUPPORTED_RANGE == ">=0.29, <0.35"
 
 
 def test_out_of_range_version_is_refused_cleanly(clean_patch_state, monkeypatch):
@@ -150,7 +200,8 @@ def test_the_table_declares_everything_install_changes(clean_patch_state):
     after = _vllm_surface()
     changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
     platform = activation.platform()
-    declared = {p.name for p in patch_points.points_for(platform) if p.applies == "process start"}
+    declared = {p.name for p in patch_points.points_for(platform, versions.capabilities().version)
+                if p.applies == "process start"}
     declared |= {f"op_registry_oot[{p.attribute}]" for p in patch_points.POINTS if p.kind == "register_oot"}
     # an attribute of a module that re-exports another module's (vllm._custom_ops in both)
     assert changed and changed <= declared, sorted(changed - declared)

@@ -72,6 +72,7 @@ def on_cuda(monkeypatch):
     from vllm.platforms import current_platform
 
     from replayssm_patch import ops, versions
+    from replayssm_patch.vllm import gdn_layer  # noqa: F401 (vLLM's layer modules ask the platform as they import)
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False, raising=False)
@@ -151,6 +152,25 @@ def test_mtp_on_cuda_takes_the_ring_by_default(on_cuda):
                      (mtp(255), "a verify window must fit the ring")):
         p = make_plan(bad, ON, memory_bytes=80 * GIB)
         assert not p.serves and not p.by_choice and any(why in r.text for r in p.reasons), p.reasons
+
+
+@pytest.mark.parametrize("platform", ["cuda", "cpu"])
+def test_adaptive_verification_keeps_mtp_native(platform, request):
+    """vLLM 0.34's adaptive verification trims verify windows on the device after the host
+    metadata is built: not validated with the ring, so MTP stays on vLLM's path (a typed reason),
+    and the ring's backend tells vLLM it does not take such batches."""
+    if platform == "cuda":
+        request.getfixturevalue("on_cuda")
+    adaptive = mtp(3, **{"speculative_config.enable_adaptive_verification": True})
+    p = make_plan(adaptive, ReplayConfig(enable=True, allow_mtp="ring"), memory_bytes=80 * GIB)
+    assert not p.serves and not p.by_choice
+    assert any(r.kind == UNSUPPORTED and "adaptive verification" in r.text for r in p.reasons), p.reasons
+    fixed = mtp(3, **{"speculative_config.enable_adaptive_verification": False})
+    assert make_plan(fixed, ReplayConfig(enable=True, allow_mtp="ring"), memory_bytes=80 * GIB).serves
+
+    from replayssm_patch.vllm.gdn_backend import ReplayGDNAttentionBackend
+
+    assert ReplayGDNAttentionBackend.supports_device_cpu_query_lens_mismatch() is False
 
 
 def test_mtp_on_cuda_needs_vllm_032(on_cuda, monkeypatch):

@@ -3,7 +3,7 @@ it must do exactly what vLLM's `_forward_core` does for such a step with our wra
 
 Both paths run here on the CPU (replayssm_patch.testing.spec_step) with the same conv (a
 stand-in for vLLM's `causal_conv1d_update` that records its arguments) and the same verify
-(the ring's verify, on CPU `ring.cpu.ring_verify`): the wrapper path as vLLM 0.32 / 0.33 drive it (conv, the q/k/v split into
+(the ring's verify, on CPU `ring.cpu.ring_verify`): the wrapper path as vLLM 0.32-0.34 drive it (conv, the q/k/v split into
 separate buffers, `fused_sigmoid_gating_delta_rule_update` with our wrapper active, the copy into
 `core_attn_out`), and `verify_step`. Fresh random inputs: rings with committed entries and
 pending windows, accepted counts 1..W, padded tokens beyond the step's, both conv-state layouts.
@@ -54,6 +54,25 @@ def test_verify_step_does_what_vllm_does_with_the_wrapper(dim_first):
     assert cb["max_query_len"] == W and cb["validate_data"] is False
 
 
+def test_verify_step_writes_every_row_of_a_padded_step():
+    """A batch padded for a CUDA graph counts its padding tokens in num_actual_tokens (no verify
+    row owns them); vLLM 0.34 hands `core_attn_out` over uninitialised (torch.empty): every row
+    below num_actual_tokens gets written, the rows' tokens as vLLM's path writes them, the
+    padding zero."""
+    layer, md, inputs = make_step(seed=5, token_pad=4)
+    twin = copy.deepcopy(layer)
+    real, n = md.num_spec_decode_tokens, md.num_actual_tokens
+    assert n == real + 4 and int(md.spec_query_start_loc[md.num_spec_decodes]) == real
+    tokens = inputs["mixed_qkv"].shape[0]
+    out_a, out_b = torch.zeros(tokens, HV, V), torch.full((tokens, HV, V), float("nan"))
+    via_wrapper(layer, md, **inputs, core_attn_out=out_a, gdn=ConvStandIn(False))
+    spec_verify_step.verify_step(twin, md, **inputs, core_attn_out=out_b, gdn=ConvStandIn(False))
+    assert not out_b[:n].isnan().any(), "a row below num_actual_tokens was left unwritten"
+    assert torch.equal(out_b[:real], out_a[:real]) and not out_b[real:n].any()
+    assert out_b[n:].isnan().all(), "a row past num_actual_tokens was written"
+    assert torch.equal(twin.kv_cache[1], layer.kv_cache[1])
+
+
 def test_only_steps_of_speculative_rows_alone_take_it():
     md = SimpleNamespace(spec_sequence_masks=torch.ones(2, dtype=torch.bool), num_prefills=0, num_decodes=0,
                          num_accepted_tokens=torch.ones(2, dtype=torch.int32))
@@ -65,7 +84,7 @@ def test_only_steps_of_speculative_rows_alone_take_it():
 
 
 def test_installed_vllm_has_what_verify_step_calls():
-    """verify_step calls two globals of vLLM's GDN layer module (vLLM 0.32 and later have both)."""
+    """verify_step calls two globals of vLLM's GDN layer module (vLLM 0.32 to 0.34 have both)."""
     pytest.importorskip("vllm")
     from replayssm_patch import versions
     from replayssm_patch.vllm.gdn_layer import vllm_gdn

@@ -29,10 +29,13 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module")
 def ops():
+    """The module holding vLLM's CPU GDN kernels (vllm._custom_ops; vllm._cpu_ops from 0.34)."""
     require_vllm()
-    import vllm._custom_ops as ops
+    import importlib
 
-    return ops
+    from replayssm_patch import versions
+
+    return importlib.import_module(versions.capabilities().cpu_ops_module)
 
 
 def _rel(x, ref):

@@ -84,6 +84,9 @@ def verify(mixed_qkv, a, b, A_log, dt_bias, scale, state, out, slots, ring, num_
     q, k, v = torch.split(mixed_qkv, [H * K, H * K, HV * V], dim=-1)  # views sharing one token stride
     # the layer's parameters: DLPack, which it takes them through, refuses tensors that require grad
     A_log, dt_bias = A_log.detach(), dt_bias.detach()
+    # vLLM 0.34 hands Qwen3.5's a / b over as strided column blocks of one projection; the kernel
+    # is given compact ones (a no-op where they already are)
+    a, b = a.contiguous(), b.contiguous()
     fn(A_log, a.view(rows, window, HV), dt_bias, q=q.unflatten(0, (rows, window)).unflatten(-1, (H, K)),
        k=k.unflatten(0, (rows, window)).unflatten(-1, (H, K)), v=v.unflatten(0, (rows, window)).unflatten(-1, (HV, V)),
        b=b.view(rows, window, HV), initial_state_source=state, initial_state_indices=rows_slot,

@@ -212,7 +212,7 @@ def main(spec_path: str) -> None:
         if forced is not None:
             from replayssm_patch.testing import teacher_forced
 
-            kwargs["logits_processors"] = [teacher_forced.TeacherForcing]
+            kwargs["logits_processors"] = [teacher_forced.processor_for(eng.get("model", spec["model"]), kwargs)]
             tokens = forced.get("tokens")
             if forced.get("tokens_from"):
                 tokens = [r["tokens"] for r in results[forced["tokens_from"]]["requests"]]
@@ -231,10 +231,6 @@ def main(spec_path: str) -> None:
             for i, o in enumerate(outs):
                 o.request_id = str(i)
         entry = {"requests": _collect(outs), "preemptions": _preemptions(llm)}
-        if forced is not None:
-            import torch
-
-            torch.save([teacher_forced.recorded(k) for k in keys], forced["save"])
         if eng["engine"].get("speculative_config"):
             entry["spec_decode"] = spec_decode_metrics(llm)
             entry["gdn_cache"] = _gdn_cache_bytes(llm)
@@ -253,6 +249,11 @@ def main(spec_path: str) -> None:
             entry["layer_decisions"] = replayssm_patch.status()["layers"]
         if spec["patched"]:  # what the user's status(llm) shows: the workers' own report
             entry["engine_status"] = replayssm_patch_status(llm)
+        if forced is not None:  # after the counters: it runs one more (one-token) request
+            import torch
+
+            records = teacher_forced.collect(llm, forced["save"] + ".records")
+            torch.save([records[k] for k in keys], forced["save"])
         if eng.get("memory_check"):  # last: it leaves the engine without a KV cache
             from replayssm_patch.testing.memory_check import cache_memory_report
 

@@ -1,5 +1,5 @@
 """A speculative-only MTP step outside vLLM: a stand-in layer, metadata and inputs, and vLLM's
-own `_forward_core` for such a step (0.32 / 0.33) with our verify wrapper in it.
+own `_forward_core` for such a step (0.32 to 0.34) with our verify wrapper in it.
 
 `vllm.spec_verify_step.verify_step` replaces that path on CUDA; tests/test_verify_step.py checks the two
 agree, and `benchmarks/host_overhead.py --verify-step` times their host cost. Everything here
@@ -42,11 +42,13 @@ class ConvStandIn:
         return torch.tanh(1.5 * x + bias)
 
 
-def make_step(seed: int, rows: int = 3, slots: int = 8, pad: int = 2, device="cpu"):
+def make_step(seed: int, rows: int = 3, slots: int = 8, pad: int = 2, token_pad: int = 0, device="cpu"):
     """(layer, metadata, inputs) of one step of `rows` speculative rows of W tokens each, as
     vLLM's builder lays them out: slot repeated across the T+1 index columns, `pad` padding
-    rows and 3 padding tokens past the step's. Rings hold random committed entries and pending
-    windows; accepted counts are 1..W. Drawn on the CPU, then moved to `device`."""
+    rows (no tokens) and 3 input tokens past the step's; `token_pad` of those the step counts in
+    num_actual_tokens, as a batch padded for a CUDA graph does (vLLM >= 0.32). Rings hold random
+    committed entries and pending windows; accepted counts are 1..W. Drawn on the CPU, then moved
+    to `device`."""
     gen = torch.Generator().manual_seed(seed)
     n = rows * W
     ring = SimpleNamespace(g=-torch.rand(slots, HV, L, generator=gen).cumsum(-1),
@@ -63,10 +65,11 @@ def make_step(seed: int, rows: int = 3, slots: int = 8, pad: int = 2, device="cp
     slot = torch.randperm(slots - 1, generator=gen)[:rows].int() + 1
     idx = torch.cat([slot, torch.zeros(pad, dtype=torch.int32)])[:, None].expand(-1, W)
     md = SimpleNamespace(spec_sequence_masks=torch.ones(rows, dtype=torch.bool), num_prefills=0, num_decodes=0,
-                         num_actual_tokens=n, num_spec_decodes=rows, spec_state_indices_tensor=idx,
+                         num_actual_tokens=n + token_pad, num_spec_decode_tokens=n, num_spec_decodes=rows,
+                         spec_state_indices_tensor=idx,
                          num_accepted_tokens=torch.randint(1, W + 1, (rows + pad,), generator=gen).int(),
                          spec_query_start_loc=torch.arange(0, (rows + pad + 1) * W, W, dtype=torch.int32).clamp(max=n))
-    tokens = n + 3
+    tokens = n + max(3, token_pad)
     inputs = dict(mixed_qkv=torch.randn(tokens, DIM, generator=gen), b=torch.randn(tokens, HV, generator=gen),
                   a=torch.randn(tokens, HV, generator=gen))
     if torch.device(device).type != "cpu":
@@ -95,7 +98,7 @@ _update = sigmoid_update.make_wrapper(_vllm_kernel)
 
 
 def via_wrapper(layer, md, mixed_qkv, b, a, core_attn_out, gdn) -> None:
-    """vLLM's `_forward_core` for a speculative-only step (0.32 / 0.33): conv update, q/k/v
+    """vLLM's `_forward_core` for a speculative-only step (0.32 to 0.34): conv update, q/k/v
     split and copied into one buffer, `fused_sigmoid_gating_delta_rule_update` (our wrapper,
     inside the layer's ring call) and the copy into `core_attn_out`."""
     n, rows, idx = md.num_actual_tokens, md.num_spec_decodes, md.spec_state_indices_tensor

@@ -14,6 +14,10 @@ When a point applies:
   "ring layer"       applied to each GDN layer the plan puts on the ring, as it is built;
   "ring backend"     set by the ring's metadata builder on itself (a vLLM attribute it opts into).
 
+A point with `vllm_versions` (a version specifier) exists only in those vLLM releases: the CPU
+build's kernel wrappers moved from vllm._custom_ops to vllm._cpu_ops in 0.34, so those points are
+declared once per module, and only the installed release's are probed and installed.
+
 Kinds: "register_oot" (a layer class registered as vLLM's out-of-tree replacement), "wrap"
 (module.attribute = make_wrapper(native)), "class hooks" (methods of the served model class),
 "attribute" (a vLLM attribute set on our own objects), "call" (vLLM's calls re-made by our code),
@@ -29,6 +33,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
 from .. import versions
 from ..versions import (
     ARG_UTILS,
@@ -39,11 +46,13 @@ from ..versions import (
     MAMBA_ABSTRACT,
     QWEN_GDN,
     Probe,
+    advances_offset_by,
     assigns_attribute,
     calls_in_order,
     calls_with_keywords,
     dataclass_fields,
     has_method,
+    imports_module_as,
     imports_name,
     installed_source,
     method_calls,
@@ -79,13 +88,44 @@ class PatchPoint:
     # replacement does nothing until the user asks for it); where its probes fail it is not
     # installed, and the ring's own points are not held back by it
     unconditional: bool = False
+    vllm_versions: str = ""  # the vLLM releases the point exists in (a version specifier; "": all supported)
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.attribute}"
 
+    def exists_in(self, version: Version) -> bool:
+        return Version(version.base_version) in SpecifierSet(self.vllm_versions)
+
 
 _SEED = "vLLM PR 65657 (FlashInfer GDN ReplaySSM) and its successors: GDN ReplaySSM inside vLLM"
+
+
+def _cpu_kernel_points(module: str, releases: str) -> tuple[PatchPoint, ...]:
+    """The CPU build's two GDN recurrence kernels, as `module` holds them in `releases`; vLLM's CPU
+    GDN path calls them as attributes of that module (`ops.<name>`), resolved at each call."""
+    path = versions.module_source_path(module)
+    return (
+        PatchPoint(
+            "wrap", module, "fused_sigmoid_gating_delta_rule_update_cpu",
+            "replayssm_patch.vllm.cpu_update:make_wrapper", platform="cpu", vllm_versions=releases,
+            what="vLLM's CPU decode recurrence",
+            why="the call the ring's decode replaces on CPU",
+            how="the ring's step, taken by this very kernel from each row's replayed state (ring.cpu)",
+            upstream=_SEED, remove_when="as the CPU core",
+            probes=(Probe("CPU decode kernel", path, has_method(None, "fused_sigmoid_gating_delta_rule_update_cpu",
+                                                                CPU_UPDATE_PARAMS)),
+                    Probe("CPU GDN kernels' module", CPU_GDN, imports_module_as(module, "ops")))),
+        PatchPoint(
+            "wrap", module, "fused_sigmoid_gating_delta_rule_update_spec_cpu",
+            "replayssm_patch.vllm.cpu_spec_update:make_wrapper", platform="cpu", required=False,
+            vllm_versions=releases,
+            what="vLLM's CPU MTP recurrence (1+T state slots per request)",
+            why="the call the ring's verify replaces on CPU",
+            how="the ring's verify: commit the previous window, verify, keep the new window pending",
+            upstream=_SEED, remove_when="as the CPU core"),
+    )
+
 
 POINTS = (
     PatchPoint(
@@ -111,6 +151,9 @@ POINTS = (
                                          "non_spec_state_indices_tensor", "spec_sequence_masks"])),
             Probe("MambaBase.bind_kv_cache", MAMBA_ABSTRACT,
                   has_method("MambaBase", "bind_kv_cache", ["self", "kv_cache"])),
+            # the ring's tensors are packed after vLLM's states as vLLM packs those (gdn_backend.state_offsets)
+            Probe("MambaBase.bind_kv_cache packing", MAMBA_ABSTRACT,
+                  advances_offset_by("MambaBase", "bind_kv_cache", "nbytes", "round_up(nbytes, self.state_alignment)")),
             Probe("MambaBase.get_kv_cache_spec", MAMBA_ABSTRACT, has_method("MambaBase", "get_kv_cache_spec")),
             Probe("MambaSpec fields", KV_IFACE, dataclass_fields("MambaSpec", ["shapes", "dtypes", "page_size_padded"])),
             Probe("PluggableLayer.register_oot", CUSTOM_OP, has_method("PluggableLayer", "register_oot")),
@@ -157,7 +200,7 @@ POINTS = (
         probes=(Probe("fused MTP flag", QWEN_GDN, assigns_attribute(LAYER_CLASS, *FUSED_DECODE_FLAGS)),)),
     PatchPoint(
         "attribute", versions.GDN_BUILDER_MODULE, "GDNAttentionMetadataBuilder.supports_update_block_table",
-        "replayssm_patch.vllm.metadata_reuse:opt_in", platform="cuda", required=False,
+        "replayssm_patch.vllm.metadata_reuse:opt_in", platform="cuda", required=False, vllm_versions=">=0.31",
         what="the ring's builder opts into vLLM's metadata reuse across GDN cache groups",
         why="vLLM turns it on for its own builder class only; without it every group rebuilds all metadata "
             "on the host every step",
@@ -191,22 +234,8 @@ POINTS = (
         what="vLLM's CPU GDN core with MTP (absent from older builds: MTP stays native there)",
         why="as the non-spec core", how="as the non-spec core; its kernels go through the wrappers below",
         upstream=_SEED, remove_when="as the CPU core"),
-    PatchPoint(
-        "wrap", "vllm._custom_ops", "fused_sigmoid_gating_delta_rule_update_cpu",
-        "replayssm_patch.vllm.cpu_update:make_wrapper", platform="cpu",
-        what="vLLM's CPU decode recurrence",
-        why="the call the ring's decode replaces on CPU",
-        how="the ring's step, taken by this very kernel from each row's replayed state (ring.cpu)",
-        upstream=_SEED, remove_when="as the CPU core",
-        probes=(Probe("CPU decode kernel", versions.CUSTOM_OPS,
-                      has_method(None, "fused_sigmoid_gating_delta_rule_update_cpu", CPU_UPDATE_PARAMS)),)),
-    PatchPoint(
-        "wrap", "vllm._custom_ops", "fused_sigmoid_gating_delta_rule_update_spec_cpu",
-        "replayssm_patch.vllm.cpu_spec_update:make_wrapper", platform="cpu", required=False,
-        what="vLLM's CPU MTP recurrence (1+T state slots per request)",
-        why="the call the ring's verify replaces on CPU",
-        how="the ring's verify: commit the previous window, verify, keep the new window pending",
-        upstream=_SEED, remove_when="as the CPU core"),
+    *_cpu_kernel_points("vllm._custom_ops", f"<{versions.CPU_OPS_VERSION}"),
+    *_cpu_kernel_points("vllm._cpu_ops", f">={versions.CPU_OPS_VERSION}"),
     PatchPoint(
         "attribute", "vllm.v1.worker.worker_base", "WorkerBase.replayssm_status",
         "replayssm_patch.vllm.worker_status:replayssm_status",
@@ -250,19 +279,25 @@ POINTS = (
 )
 
 
-def points_for(platform: str, unconditional: bool = False) -> tuple[PatchPoint, ...]:
-    """This platform's points: the ring's, or (`unconditional`) those installed whatever the config."""
-    return tuple(p for p in POINTS if p.platform in ("any", platform) and p.unconditional == unconditional)
+def points_for(platform: str, version: Version, unconditional: bool = False) -> tuple[PatchPoint, ...]:
+    """The points of `platform` that exist in vLLM `version`: the ring's, or (`unconditional`) those
+    installed whatever the config."""
+    return tuple(p for p in POINTS if p.platform in ("any", platform) and p.exists_in(version)
+                 and p.unconditional == unconditional)
 
 
 def run_probes(read_source: Callable[[str], str | None] = installed_source, cpu: bool = False,
-               unconditional: bool = False) -> list[str]:
-    """The failed probes of this platform's required points (empty: all look as expected; a point
-    that is not required applies only where its vLLM has it); `read_source(path)` gives a vLLM
-    source file's text (the installed one, or a released wheel's). `unconditional`: the probes of
-    the points install_unconditional() installs instead of the ring's."""
+               version: Version | None = None, unconditional: bool = False) -> list[str]:
+    """The failed probes of this platform's required points in vLLM `version` (default: the
+    installed one; empty: all look as expected; a point that is not required applies only where its
+    vLLM has it); `read_source(path)` gives a vLLM source file's text (the installed one, or a
+    released wheel's). `unconditional`: the probes of the points install_unconditional() installs
+    instead of the ring's."""
+    version = versions.installed_base_version() if version is None else version
+    if version is None:
+        return ["vLLM's version is unknown"]
     trees: dict = {}
-    return [f for point in points_for("cpu" if cpu else "cuda", unconditional) if point.required
+    return [f for point in points_for("cpu" if cpu else "cuda", version, unconditional) if point.required
             for f in _probe_failures(point, read_source, trees)]
 
 
@@ -316,7 +351,7 @@ def install(platform: str, state) -> list[str]:
     from vllm.model_executor.custom_op import op_registry_oot
 
     patched = []
-    for point in points_for(platform):
+    for point in points_for(platform, versions.capabilities().version):
         if point.applies != "process start":
             continue
         module = importlib.import_module(point.module)

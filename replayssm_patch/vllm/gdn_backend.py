@@ -45,6 +45,18 @@ class RingMambaSpec(MambaSpec):
     ring_plan: object = None  # the layers' replayssm_patch.plan.Plan
 
 
+def state_offsets(sizes: list[int], alignment: int = 1) -> list[int]:
+    """Where each of a page's states starts, given their sizes in bytes, as vLLM packs them
+    (MambaBase.bind_kv_cache): one after the other, each taking its size rounded up to
+    `alignment` (the layer's state_alignment, vLLM >= 0.34; 1 before), as the page's content
+    size counts them (MambaSpec.state_content_size_bytes)."""
+    starts, offset = [], 0
+    for size in sizes:
+        starts.append(offset)
+        offset += -(-size // alignment) * alignment
+    return starts
+
+
 def ring_spec(spec: MambaSpec, plan) -> RingMambaSpec:
     """`spec` with the ring's tensors and the plan; with MTP one checkpoint slot per request
     instead of 1+T (the verify window lives in the ring)."""
@@ -174,3 +186,11 @@ class ReplayGDNAttentionBackend(GDNAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return ReplayGDNAttentionMetadataBuilder
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        """No (vLLM >= 0.34 asks): adaptive verification trims verify windows on the device
+        after the host metadata was built, and the ring's builder and verify have not been
+        validated on such batches. The plan keeps those configs native; should a ring layer
+        meet one anyway, vLLM refuses to start instead of running it."""
+        return False

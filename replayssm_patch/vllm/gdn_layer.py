@@ -25,7 +25,7 @@ from ..ring.call import cpu_kv_view, run_with_ring
 from ..ring.runtime import RingBuffers, ops_for
 from ..state import STATE, PatchRefused
 from . import fused_decode_flags, model_class, spec_verify_step
-from .gdn_backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata, ring_spec
+from .gdn_backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata, ring_spec, state_offsets
 
 
 def plan_for(vllm_config) -> Plan:
@@ -63,6 +63,7 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
 
             plan = Plan(plan.platform, reasons=(Reason(UNSUPPORTED, "layer head counts differ from the model config"),))
         self.ring_plan: Plan = plan
+        self.ring_cache_config = vllm_config.cache_config  # read at binding (extensible caches)
         self.replay_ring: RingBuffers | None = None
         self.ring_ops = ops_for(plan.platform, STATE.stats) if plan.serves else None
         STATE.layers[prefix] = "ring" if plan.serves else "native: " + "; ".join(map(str, plan.reasons))
@@ -99,32 +100,48 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
             return
         g = self.ring_plan.geometry
         pages = kv_cache.squeeze(dim=(1, 2))
-        offset = sum(prod(s) * t.element_size() for s, t in zip(self.get_state_shape(), self.kv_cache))
-        views = []
-        for shape, dtype in zip(g.shapes, g.dtypes):
-            nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
-            views.append(pages[:, offset:offset + nbytes].view(dtype).view(-1, *shape))
-            offset += nbytes
-        ring = RingBuffers(*views, cursor=self._cursor_for(pages))
+        # The ring's tensors follow vLLM's states in the page, packed as vLLM packs those
+        # (MambaBase.bind_kv_cache) and as the spec's page size counts every one of them
+        # (MambaSpec.state_content_size_bytes): each state's bytes rounded up to the layer's
+        # state_alignment (vLLM >= 0.34; without the attribute, none).
+        native = list(zip(self.get_state_shape(), self.get_state_dtype()))
+        states = native + list(zip(g.shapes, g.dtypes))
+        sizes = [prod(shape) * dtype.itemsize for shape, dtype in states]
+        starts = state_offsets(sizes, getattr(self, "state_alignment", 1))
+        views = [pages[:, start:start + size].view(dtype).view(-1, *shape)
+                 for start, size, (shape, dtype) in list(zip(starts, sizes, states))[len(native):]]
+        cursor, rebound = self._cursor_for(pages)
+        buffers = RingBuffers(*views, cursor=cursor)
         config = STATE.config
         if config.shadow:  # testing aid: exact states beside the ring, in the CPU kernels' view
-            ring.shadow = cpu_kv_view(self).clone()
-        if config.poison:  # testing aid: garbage in every ring nobody started yet
-            shadow.poison_rings(ring, STATE.stats)
-        self.replay_ring = ring
-        self.ring_ops.compile_ahead(self.ring_state(), ring, bool(self.ring_plan.spec_tokens))
+            buffers.shadow = cpu_kv_view(self).clone()
+        if config.poison and (rebound or not self._extensible_cache()):
+            # testing aid: garbage in every ring nobody started yet. vLLM >= 0.34 first binds an
+            # extensible cache over its whole reserved address range, of which only the first
+            # blocks have memory behind them (warmup commits more as it goes): its rings are
+            # poisoned at the rebind over the committed blocks, after CUDA-graph capture.
+            shadow.poison_rings(buffers, STATE.stats)
+        self.replay_ring = buffers
+        self.ring_ops.compile_ahead(self.ring_state(), buffers, bool(self.ring_plan.spec_tokens))
 
-    def _cursor_for(self, pages: torch.Tensor) -> torch.Tensor:
-        """The slots' cursor words. A rebind that still fits (vLLM 0.34's extensible cache binds
-        its capacity, captures the CUDA graphs, then rebinds fewer blocks at the same addresses)
-        keeps a prefix of the same tensor, whose address those graphs hold; a larger or moved
-        cache gets a new, empty one."""
+    def _extensible_cache(self) -> bool:
+        """vLLM binds an extensible KV cache (vLLM >= 0.34 on CUDA, unless turned off; vLLM's
+        workers turn it off in this same config where the device cannot map memory on demand)."""
+        return bool(getattr(self.ring_cache_config, "enable_extensible_kv_cache", False))
+
+    def _cursor_for(self, pages: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The slots' cursor words, and whether they are a rebind's (kept from an earlier bind).
+        A rebind that still fits (vLLM 0.34's extensible cache binds its capacity, captures the
+        CUDA graphs, then rebinds fewer blocks at the same addresses) keeps a prefix of the same
+        tensor, whose address those graphs hold, and its contents; a larger or moved cache gets
+        a new, empty one."""
         slots = pages.shape[0]
         cursor = self.__dict__.get("_ring_cursor")
-        if cursor is None or cursor.device != pages.device or cursor.numel() < slots:
-            cursor = torch.zeros(slots, dtype=torch.int32, device=pages.device)
-            self.__dict__["_ring_cursor"] = cursor
-        return cursor[:slots]
+        if cursor is not None and cursor.device == pages.device and cursor.numel() >= slots:
+            return cursor[:slots], True
+        cursor = torch.zeros(slots, dtype=torch.int32, device=pages.device)
+        self.__dict__["_ring_cursor"] = cursor
+        return cursor, False
 
     def get_attn_backend(self):
         return ReplayGDNAttentionBackend if self.ring_plan.serves else super().get_attn_backend()

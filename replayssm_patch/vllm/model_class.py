@@ -8,7 +8,8 @@ add the same ring tensors there:
 
 * vLLM >= 0.31 prefers `get_mamba_specs_from_config` when a class has it: we give the class
   one (or extend Qwen4Exp's own GDN spec) and leave `get_mamba_state_dtype_from_config`
-  alone, because the CPU platform requires that tuple to have exactly two entries;
+  alone, because the CPU platform requires that tuple to have exactly two entries; from 0.34
+  the spec we give carries the state alignment vLLM would have sized the page with;
 * older vLLM reads the shape and dtype hooks: we extend both.
 """
 
@@ -81,6 +82,19 @@ def _set(cls, name, value, state):
         state.patched.append(f"{cls.__module__}.{cls.__qualname__}.{name} (page-size hook)")
 
 
+def _alignment(vllm_config) -> dict:
+    """The state alignment vLLM sizes the page of a class without `get_mamba_specs_from_config`
+    with (vLLM >= 0.34: `mamba_state_alignment`, as `Platform._align_hybrid_block_size` passes
+    it; older MambaSpecs pack states unaligned and take no such argument). A GDN layer packs its
+    states, the ring's included (gdn_layer), at its own state_alignment: the class default 1,
+    never more than this, so the page sized here holds everything it binds."""
+    if not versions.capabilities().state_alignment:
+        return {}
+    from vllm.model_executor.layers.mamba.mamba_utils import mamba_state_alignment
+
+    return {"state_alignment": mamba_state_alignment(vllm_config)}
+
+
 def _is_gdn_state(spec, gdn_state_shape) -> bool:
     shapes = tuple(tuple(x) for x in spec.shapes)
     return len(shapes) == 2 and shapes[1] == tuple(gdn_state_shape)
@@ -121,7 +135,7 @@ def ensure(vllm_config, ring_shapes_for, state) -> tuple[bool, str]:
             extra = ring_shapes_for(vllm_config)
             if extra is not None:
                 shapes, dtypes = shapes + extra[0], dtypes + extra[1]
-            return [MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1)]
+            return [MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1, **_alignment(vllm_config))]
 
         _set(cls, "get_mamba_specs_from_config", classmethod(get_mamba_specs_from_config), state)
     else:
