@@ -83,8 +83,16 @@ def record_and_force(store: dict, tokens: list[int] | None, pos: int, logits: to
     return forced
 
 
-def _spec(params) -> dict | None:
-    return (params.extra_args or {}).get(EXTRA_ARG)
+def open_request(records: Records, params) -> tuple[dict, list[int] | None] | None:
+    """A new request's record store and forced tokens; None for a request without teacher
+    forcing, or for the request that only asks for the records to be saved (saved here)."""
+    spec = (params.extra_args or {}).get(EXTRA_ARG)
+    if spec is None:
+        return None
+    if "save_to" in spec:
+        records.save(spec["save_to"])
+        return None
+    return records.store(spec["key"]), spec.get("tokens")
 
 
 if _V2Interface is not None:
@@ -101,13 +109,10 @@ if _V2Interface is not None:
 
         def add_request(self, req_idx: int, sampling_params) -> bool:
             self.slots.pop(req_idx, None)  # the slot's previous occupant
-            spec = _spec(sampling_params)
-            if spec is None:
+            opened = open_request(self.records, sampling_params)
+            if opened is None:
                 return False
-            if "save_to" in spec:
-                self.records.save(spec["save_to"])
-                return False
-            self.slots[req_idx] = (self.records.store(spec["key"]), spec.get("tokens"), sampling_params.max_tokens)
+            self.slots[req_idx] = (*opened, sampling_params.max_tokens)
             return True
 
         def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
@@ -136,13 +141,10 @@ if _V1Adapter is not None:
             return False  # it forces tokens: it must run for greedy requests too
 
         def new_req_logits_processor(self, params):
-            spec = _spec(params)
-            if spec is None:
+            opened = open_request(self.records, params)
+            if opened is None:
                 return None
-            if "save_to" in spec:
-                self.records.save(spec["save_to"])
-                return None
-            store, tokens = self.records.store(spec["key"]), spec.get("tokens")
+            store, tokens = opened
             return lambda output_ids, logits: record_and_force(store, tokens, len(output_ids), logits)
 
 
