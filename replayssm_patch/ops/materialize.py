@@ -7,7 +7,8 @@ does: every program of a slot reads n with one atomic add, the last one clears i
 
 Neither kernel specialises on the slot count or the slot list's alignment: vLLM hands them
 slices of its state indices, and each new variant would compile in the middle of a step
-(`kernels.compile_ahead` compiles the one variant of each before the engine serves).
+(the ring ops' `compile_ahead` in replayssm_patch/ring/runtime.py compiles the one variant of
+each before the engine serves).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Integration kernel (not a ring op): a step's per-row ring flags from vLLM's attention
 metadata, in one launch. It encodes vLLM's metadata semantics (prefix-cache blocks in align
-mode); its one caller is the metadata builder (replayssm_patch/backend.py, `fill_ring_flags`,
-every step on the host, where each torch op would be a launch of its own), whose CPU branch is
-the torch twin (tests/test_ring_flags_interpret.py checks they agree). Imports only torch and
+mode); its one caller is `fill_flags` (replayssm_patch/ring/flags.py, called by the metadata
+builder every step on the host, where each torch op would be a launch of its own), whose CPU
+branch is the torch twin (tests/test_ring_flags_interpret.py checks they agree). Imports only torch and
 triton.
 
 From vLLM's `query_start_loc` and `seq_lens` (tokens computed after the step), with

