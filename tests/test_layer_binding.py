@@ -195,7 +195,7 @@ def _check_rebind_keeps_what_graphs_hold(layer, full, before):
         assert t.data_ptr() == full.data_ptr() + start and t.shape[0] == COMMITTED
     assert layer.kv_cache[1].shape[0] == COMMITTED
     # the ring's operations take the rebound shapes: the CUDA kernels' checks and the CPU ops
-    from replayssm_patch._vendored.ring_checks import ring_geometry
+    from replayssm_patch.ops.ring_checks import ring_geometry
 
     state = layer.ring_state()
     assert ring_geometry(state, ring.d, ring.k, ring.g, ring.cursor, 64)[:5] == (H, HV, K, V, L)
