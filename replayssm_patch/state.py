@@ -39,6 +39,7 @@ class PatchState:
     engine_config: ReplayConfig | None = None
     engine_started: bool = False
     stats_logged_at: float = 0.0  # monotonic time of the last counters line
+    plan_gauge: object = None  # the /metrics gauge this process registered (vllm/metrics_info.py)
 
     def log_stats_every(self, seconds: float) -> None:
         """At most every `seconds`, one INFO line with the ring's counters (a server's operator sees

@@ -5,8 +5,9 @@ is started as `python -m vllm.entrypoints.openai.api_server`, on loopback, once 
 patched (VLLM_GDN_REPLAYSSM=1, plain decode on the ring from batch 1). Each serves the same
 requests: greedy completions, a streamed completion, a client that drops a stream midway,
 max_tokens=0 and an over-long prompt (both refused or answered, never a crash), then more
-completions. The patched server's log must show the ring decision, its greedy outputs must
-meet the agreement criterion against the native server's, and each server is stopped by its PID.
+completions. The patched server's log must show the ring decision and its /metrics the plan
+(`replayssm_patch:plan_info`), its greedy outputs must meet the agreement criterion against the
+native server's, and each server is stopped by its PID.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def server_command(model, port, *extra) -> list[str]:
     """The server's command line (the CPU build has no `vllm` command); `extra`: more flags."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--load-format", "safetensors", "--dtype", "bfloat16", "--enforce-eager",
-            "--max-model-len", "256", "--max-num-seqs", "4", "--seed", "0", "--disable-log-stats", *extra]
+            "--max-model-len", "256", "--max-num-seqs", "4", "--seed", "0", *extra]
 
 
 def _serve(model, port, env, log_path, extra=()):
@@ -141,6 +142,9 @@ def _session(model, port, env, log_path) -> dict:
             status, body = _post(port, dict(greedy, prompt=p))
             assert status == 200, body
             out["after"].append(_as_request(body["choices"][0]))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            out["metrics"] = [line for line in r.read().decode().splitlines()
+                              if line.startswith(("replayssm_patch:", "vllm:cache_config_info"))]
         out["alive"] = proc.poll() is None
         out["serving_log"] = open(log_path).read()  # up to here: no shutdown messages yet
     finally:
@@ -161,6 +165,13 @@ def test_openai_server_native_vs_patched(tmp_path):
     patched = _session(model, _free_port(), on, tmp_path / "patched.log")
     log = patched["serving_log"]
     assert "GDN layers decode through the ring" in log, log[-3000:]
+    # /metrics: the plan beside vLLM's cache_config_info on the patched server, nothing on the native one
+    assert any(m.startswith("vllm:cache_config_info") for m in native["metrics"]), native["metrics"]
+    assert not any(m.startswith("replayssm_patch:") for m in native["metrics"]), native["metrics"]
+    plan = [m for m in patched["metrics"] if m.startswith("replayssm_patch:plan_info{")]
+    assert len(plan) == 1 and plan[0].endswith(" 1.0"), patched["metrics"]
+    for label in ('decision="ring"', 'steps="plain decode of >= 1 rows"', 'ring_len="16"', 'engine="0"'):
+        assert label in plan[0], plan[0]
     for arm in (native, patched):  # nothing failed while serving (the stop itself may log more)
         assert "Traceback" not in arm["serving_log"], arm["serving_log"][-3000:]
     for arm in (native, patched):

@@ -234,3 +234,30 @@ def test_builder_recomputes_prefill_slots_per_kv_cache_group(monkeypatch):
     decodes_only = builder.update_block_table(
         ReplayGDNAttentionMetadata(**{**group0.__dict__, "num_prefills": 0}), torch.tensor([[21], [22]]), None)
     assert decodes_only.ring_prefill_slots is None and decodes_only.ring_prefill_flush_slots is None
+
+
+def test_metrics_plan_info_says_ring_or_native_and_replaces_an_earlier_engines(clean_patch_state):
+    """/metrics (vllm/metrics_info.py): the plan's labels, one series per engine, on vLLM's gauge
+    class; a second engine in the same process replaces the first one's gauge."""
+    import types
+
+    import torch
+    from prometheus_client import REGISTRY, Gauge
+
+    from replayssm_patch.plan import OPT_IN, Plan, Reason, RingGeometry
+    from replayssm_patch.vllm import metrics_info
+
+    ring = Plan("cuda", RingGeometry(16, 32, 128, 128, 16, torch.bfloat16, torch.float32), spec_tokens=3)
+    stat_logger = types.SimpleNamespace(_gauge_cls=Gauge, engine_indexes=[0, 1])
+    metrics_info.record(stat_logger, ring)
+    labels = dict(decision="ring", steps="MTP T=3", ring_len="16", ring_dtype="bfloat16", state_dtype="float32",
+                  verify_kernel="triton", reasons="")
+    for engine in ("0", "1"):
+        assert REGISTRY.get_sample_value(metrics_info.METRIC, dict(labels, engine=engine)) == 1.0
+    native = Plan("cuda", reasons=(Reason(OPT_IN, "allow_mtp='native'"),))
+    metrics_info.record(types.SimpleNamespace(_gauge_cls=Gauge, engine_indexes=[0]), native)
+    assert REGISTRY.get_sample_value(metrics_info.METRIC, dict(labels, engine="0")) is None
+    got = metrics_info.plan_labels(native)
+    assert got["decision"] == "native" and "allow_mtp='native'" in got["reasons"] and got["ring_len"] == ""
+    assert REGISTRY.get_sample_value(metrics_info.METRIC, dict(got, engine="0")) == 1.0
+    REGISTRY.unregister(clean_patch_state.plan_gauge)

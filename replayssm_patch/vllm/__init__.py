@@ -60,6 +60,7 @@ from ..versions import (
 )
 
 WORKER_BASE = "vllm/v1/worker/worker_base.py"
+METRICS_LOGGERS = "vllm/v1/metrics/loggers.py"
 QWEN_GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 CPU_GDN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 LAYER_CLASS = "QwenGatedDeltaNetAttention"
@@ -246,6 +247,17 @@ POINTS = (
         upstream="none: a plugin's own report", remove_when="vLLM offers plugins a status channel",
         probes=(Probe("worker base class", WORKER_BASE, has_method("WorkerBase", "__init__")),)),
     PatchPoint(
+        "wrap", "vllm.v1.metrics.loggers", "PrometheusStatLogger.log_metrics_info",
+        "replayssm_patch.vllm.metrics_info:make_wrapper",
+        what="a server's /metrics shows the plan (replayssm_patch:plan_info) beside vLLM's cache_config_info",
+        why="an operator looks at /metrics, where vLLM's own use_replayssm label is its Mamba2 option, not "
+            "this package; the ring's decision was in the engine log alone",
+        how="after vLLM records cache_config_info, the plan drawn from the same engine config is recorded as "
+            "an info gauge (1, its labels the decision); vLLM's metrics untouched",
+        upstream="none: a plugin's own metric", remove_when="vLLM lets plugins add metrics to its stat loggers",
+        probes=(Probe("Prometheus cache_config_info", METRICS_LOGGERS,
+                      has_method("PrometheusStatLogger", "log_metrics_info", ["self", "type", "config_obj"])),)),
+    PatchPoint(
         "wrap", "vllm.engine.arg_utils", "EngineArgs.create_model_config",
         "replayssm_patch.vllm.replayssm_flag:make_wrapper", unconditional=True,
         what="vLLM's own --use-replayssm / LLM(use_replayssm=True) turns this package's ring on for model "
@@ -355,26 +367,26 @@ def install(platform: str, state) -> list[str]:
         if point.applies != "process start":
             continue
         module = importlib.import_module(point.module)
-        native = getattr(module, point.attribute.partition(".")[0], None)
+        owner_name, _, attr = point.attribute.rpartition(".")  # "Class.method" or a module's "name"
+        owner = getattr(module, owner_name, None) if owner_name else module
+        native = getattr(owner, attr, None) if point.kind != "attribute" else owner
         if native is None or (point.kind == "wrap" and not callable(native)):
             if point.required:  # the probes passed, so this is a vLLM that changed under us
                 raise RuntimeError(f"{point.name} is missing although its probes passed")
             continue
         replacement = resolve(point.replacement)
         if point.kind == "attribute":  # a method of ours added to a vLLM class
-            owner, _, attr = point.attribute.rpartition(".")
-            cls = getattr(module, owner)
-            setattr(cls, attr, replacement)
-            state.undo.append(lambda c=cls, a=attr: delattr(c, a))
+            setattr(owner, attr, replacement)
+            state.undo.append(lambda c=owner, a=attr: delattr(c, a))
             patched.append(point.name)
         elif point.kind == "register_oot":
             replacement._replayssm_patch = True
             native.register_oot(replacement)
             state.undo.append(lambda name=point.attribute: op_registry_oot.pop(name, None))
             patched.append(f"{point.attribute} -> {point.replacement.replace(':', '.')} (register_oot)")
-        else:
-            setattr(module, point.attribute, replacement(native))
-            state.undo.append(lambda m=module, a=point.attribute, n=native: setattr(m, a, n))
+        else:  # wrap a module's function or a class's method
+            setattr(owner, attr, replacement(native))
+            state.undo.append(lambda o=owner, a=attr, n=native: setattr(o, a, n))
             patched.append(point.name)
     return patched
 

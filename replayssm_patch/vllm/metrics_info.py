@@ -1,0 +1,79 @@
+"""Patch point: `PrometheusStatLogger.log_metrics_info`, so that a server's /metrics shows the
+ring's plan. Where vLLM records `vllm:cache_config_info` (once per engine start, in the front
+end), the wrapper records `replayssm_patch:plan_info`: an info gauge (always 1) whose labels are
+the plan drawn from the same engine config, as each worker draws it. (The `use_replayssm` label
+of vLLM's cache_config_info is vLLM's Mamba2 option, not this package.) What each worker built
+stays in its log line, and the ring's counters in that log and in `status(llm)`."""
+
+from __future__ import annotations
+
+import functools
+
+from ..plan import Plan, make_plan
+from ..state import STATE
+
+METRIC = "replayssm_patch:plan_info"
+LABELS = ("engine", "decision", "steps", "ring_len", "ring_dtype", "state_dtype", "verify_kernel", "reasons")
+
+
+def _dtype(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_labels(plan: Plan) -> dict[str, str]:
+    """The metric's labels for `plan` (engine excepted); empty strings where a label does not apply."""
+    g = plan.geometry
+    if g is None:
+        return dict(decision="native", steps="", ring_len="", ring_dtype="", state_dtype="", verify_kernel="",
+                    reasons="; ".join(map(str, plan.reasons)))
+    spec = bool(plan.spec_tokens)
+    return dict(decision="ring",
+                steps=f"MTP T={plan.spec_tokens}" if spec else f"plain decode of >= {plan.min_batch} rows",
+                ring_len=str(g.ring_len), ring_dtype=_dtype(g.ring_dtype), state_dtype=_dtype(g.state_dtype),
+                verify_kernel=plan.verify_kernel if spec and plan.platform == "cuda" else "", reasons="")
+
+
+def front_end_plan(vllm_config) -> Plan | None:
+    """The plan the workers will draw for `vllm_config` (None: the model builds no Qwen GDN layer,
+    so the package has nothing to report). The GPU's memory comes from vLLM's platform, which
+    reads it without initialising CUDA in the front end."""
+    from vllm.platforms import current_platform
+
+    from .model_class import builds_qwen_gdn_layers
+
+    if not builds_qwen_gdn_layers(vllm_config)[0]:
+        return None
+    memory = current_platform.get_device_total_memory(0) if current_platform.is_cuda() else None
+    return make_plan(vllm_config, STATE.config, memory)
+
+
+def record(stat_logger, plan: Plan) -> None:
+    """Set the gauge on `stat_logger`'s gauge class (vLLM's, so Prometheus multiprocess mode and
+    Ray's wrapper behave as for vLLM's own info metrics); a gauge left by an earlier engine in
+    this process is unregistered first (Prometheus refuses a name twice)."""
+    from prometheus_client import REGISTRY
+
+    if STATE.plan_gauge is not None:
+        try:
+            REGISTRY.unregister(STATE.plan_gauge)
+        except KeyError:  # not in the default registry (Ray's wrapper)
+            pass
+    gauge = stat_logger._gauge_cls(name=METRIC, documentation="replayssm_patch's plan for the GDN layers "
+                                   "(1; labels: ring or native, on which steps, why native)",
+                                   multiprocess_mode="mostrecent", labelnames=list(LABELS))
+    STATE.plan_gauge = gauge
+    labels = plan_labels(plan)
+    for engine in stat_logger.engine_indexes:
+        gauge.labels(engine=str(engine), **labels).set(1)
+
+
+def make_wrapper(native):
+    @functools.wraps(native)
+    def log_metrics_info(self, type: str, config_obj):
+        native(self, type, config_obj)
+        if type == "cache_config":
+            plan = front_end_plan(self.vllm_config)
+            if plan is not None:
+                record(self, plan)
+
+    return log_metrics_info
