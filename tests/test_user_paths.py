@@ -261,3 +261,23 @@ def test_metrics_plan_info_says_ring_or_native_and_replaces_an_earlier_engines(c
     assert got["decision"] == "native" and "allow_mtp='native'" in got["reasons"] and got["ring_len"] == ""
     assert REGISTRY.get_sample_value(metrics_info.METRIC, dict(got, engine="0")) == 1.0
     REGISTRY.unregister(clean_patch_state.plan_gauge)
+
+
+def test_metrics_plan_info_failing_never_stops_the_engine(clean_patch_state, monkeypatch, caplog):
+    """A report that cannot be drawn logs a warning; vLLM's own info metric is still recorded."""
+    import types
+
+    from replayssm_patch.vllm import metrics_info
+
+    calls = []
+    wrapped = metrics_info.make_wrapper(lambda self, type, config_obj: calls.append(type))
+
+    def broken(vllm_config):
+        raise ValueError("no plan here")
+
+    monkeypatch.setattr(metrics_info, "front_end_plan", broken)
+    with caplog.at_level("WARNING"):
+        wrapped(types.SimpleNamespace(vllm_config=None), "cache_config", None)
+    assert calls == ["cache_config"]
+    assert "/metrics has no plan_info (ValueError: no plan here)" in caplog.text
+    assert clean_patch_state.plan_gauge is None

@@ -8,6 +8,7 @@ stays in its log line, and the ring's counters in that log and in `status(llm)`.
 from __future__ import annotations
 
 import functools
+import logging
 
 from ..plan import Plan, make_plan
 from ..state import STATE
@@ -71,9 +72,13 @@ def make_wrapper(native):
     @functools.wraps(native)
     def log_metrics_info(self, type: str, config_obj):
         native(self, type, config_obj)
-        if type == "cache_config":
+        if type != "cache_config":
+            return
+        try:
             plan = front_end_plan(self.vllm_config)
             if plan is not None:
                 record(self, plan)
+        except Exception as e:  # a report must never stop a server from starting
+            STATE.log_once(logging.WARNING, f"replayssm_patch: /metrics has no plan_info ({e.__class__.__name__}: {e})")
 
     return log_metrics_info
