@@ -196,3 +196,40 @@ def test_no_measured_figures_in_the_package_source():
             if figure.search(text):
                 hits.append(f"{name}:{i}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+def _names_used(path: str) -> set[str]:
+    """Every identifier and attribute name the module's code uses (not its strings or comments)."""
+    tree = ast.parse(open(path).read())
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+        {n.arg for n in ast.walk(tree) if isinstance(n, ast.keyword) and n.arg}
+
+
+# min_batch's way from the environment to the metadata builder, inside a worker: parsed once in
+# config (ReplayConfig.from_env, called by the plugin's activation), held by the state object,
+# turned into the plan's value by plan, handed to the builder by gdn_backend through the layer's
+# KV-cache spec; the layer (gdn_layer) passes the config and the plan along as parameters
+# without reading the field.
+MIN_BATCH_PATH = {f"{PKG}.config", f"{PKG}.plan", f"{PKG}.vllm.gdn_backend"}
+MIN_BATCH_ELSEWHERE = {f"{PKG}.vllm.metrics_info": "the /metrics label"}  # names it for another reason
+# modules that read or write the process environment, and why (everything else gets values)
+ENVIRONMENT_USERS = {
+    f"{PKG}.config": "parses the options", f"{PKG}.activation": "the plugin's read, and the options written for "
+    "vLLM's other processes", PKG: "patch() writes the options for vLLM's processes",
+    f"{PKG}.vllm.replayssm_flag": "writes the flag's options for vLLM's processes",
+    f"{PKG}.ring.flashinfer": "the FlashInfer variable (a patch point)", f"{PKG}.__main__": "doctor",
+    f"{PKG}.demo": "the demo's engines",
+}
+
+
+def test_options_reach_the_builder_as_values():
+    """Following min_batch from the environment to the builder crosses the modules of
+    MIN_BATCH_PATH only (at most 5 with the state object); outside the testing helpers only the
+    modules of ENVIRONMENT_USERS touch the environment."""
+    modules = {n: p for n, p in _modules().items() if not n.startswith(f"{PKG}.testing")}
+    naming = {n for n, p in modules.items() if "min_batch" in _names_used(p)}
+    assert naming - set(MIN_BATCH_ELSEWHERE) == MIN_BATCH_PATH, sorted(naming)
+    assert len(MIN_BATCH_PATH | {f"{PKG}.state"}) <= 5
+    environ = {n for n, p in modules.items() if {"environ", "getenv", "putenv"} & _names_used(p)}
+    assert environ <= set(ENVIRONMENT_USERS), sorted(environ - set(ENVIRONMENT_USERS))
