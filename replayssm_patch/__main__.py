@@ -95,7 +95,7 @@ def doctor(argv: list[str]) -> int:
     print(f"vLLM: {version or 'not installed'} (supported {versions.SUPPORTED_RANGE})")
     if version is None:
         return 1
-    platform = activation.platform()
+    platform = versions.platform_name()
     print(f"platform: {platform}")
     print(f"enabled by environment: {cfg.from_env().enable} (VLLM_GDN_REPLAYSSM)")
     reasons = activation.refusal_reasons(platform)

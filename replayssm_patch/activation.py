@@ -42,16 +42,6 @@ def refusal_reasons(platform: str) -> list[str]:
     return points.runtime_signatures()
 
 
-def platform() -> str:
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda():
-        return "cuda"
-    if current_platform.is_cpu():
-        return "cpu"
-    return type(current_platform).__name__
-
-
 def note_engine_start() -> None:
     """The plugin calls this when vLLM loads its plugins in this process (as the first engine is
     created): a later patch() with other options comes too late for that engine."""
@@ -84,7 +74,7 @@ def apply(config: ReplayConfig) -> dict:
         STATE.reasons = ["disabled"]
         return report()
     try:
-        where = platform()
+        where = versions.platform_name()
     except Exception as e:
         where, reasons = None, [f"vLLM cannot be imported: {type(e).__name__}: {e}"]
     else:

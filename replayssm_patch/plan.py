@@ -155,16 +155,6 @@ def device_memory() -> int | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda():
-        return "cuda"
-    if current_platform.is_cpu():
-        return "cpu"
-    return type(current_platform).__name__
-
-
 def _gdn_dims(hf):
     names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     return tuple(int(getattr(hf, n)) for n in names) if all(hasattr(hf, n) for n in names) else None
@@ -291,7 +281,7 @@ def _plain_decision(vllm_config, config: ReplayConfig, geometry: RingGeometry, p
 
 def make_plan(vllm_config, config: ReplayConfig, memory_bytes: int | None = None) -> Plan:
     """The plan for `vllm_config` under `config`; `memory_bytes`: the GPU's memory (device_memory())."""
-    platform = _platform()
+    platform = versions.platform_name()
     if not config.enable:
         return Plan(platform, reasons=(Reason(OPT_IN, "disabled (set VLLM_GDN_REPLAYSSM=1 or call "
                                                        "replayssm_patch.patch())"),))

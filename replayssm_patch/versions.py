@@ -81,6 +81,17 @@ class Capabilities:
     state_alignment: bool  # MambaSpec.state_alignment: each state's bytes in a page rounded up to it (0.34+)
 
 
+def platform_name() -> str:
+    """The platform the installed vLLM runs on: "cuda", "cpu", or another platform's class name."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    return type(current_platform).__name__
+
+
 def installed_base_version() -> Version | None:
     """The installed vLLM's base version (0.32.0 for 0.32.0+cpu; None: absent or unparsable)."""
     v = parse_version(installed_vllm_version() or "")

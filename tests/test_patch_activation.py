@@ -114,7 +114,7 @@ def test_the_version_gate_accepts_034_and_refuses_035(version, accepted, clean_p
     from replayssm_patch import activation
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: version)
-    reasons = activation.refusal_reasons(activation.platform())
+    reasons = activation.refusal_reasons(versions.platform_name())
     assert any("outside the supported range" in r for r in reasons) != accepted, reasons
     assert versions.SUPPORTED_RANGE == ">=0.29, <0.35"
 
@@ -197,7 +197,7 @@ def test_the_table_declares_everything_install_changes(clean_patch_state):
 
     from replayssm_patch import activation
 
-    platform = activation.platform()
+    platform = versions.platform_name()
     points = patch_points.points_for(platform, versions.capabilities().version)
     for p in points:  # loaded first, so that their import is not taken for a change
         if p.applies == "process start":
