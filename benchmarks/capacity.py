@@ -75,7 +75,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -551,22 +550,6 @@ def stored_config(args) -> dict:
     return dict(cfg, prefix_caching=prefix_caching(args), echo_acceptance=echo_acceptance(args))
 
 
-def follow_progress(proc, log, every_s=2.0) -> int:
-    """Echo the "[capacity] ..." lines of the engines' process from `log` while it runs."""
-    with open(log, errors="replace") as f:
-        pending = ""
-        while True:
-            rc = proc.poll()
-            pending += f.read()
-            *lines, pending = pending.split("\n")
-            for ln in lines:
-                if ln.startswith("[capacity]"):
-                    print(ln, flush=True)
-            if rc is not None:
-                return rc
-            time.sleep(every_s)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
@@ -628,12 +611,7 @@ def main() -> None:
     pairs_out = (args.out or os.path.join(workdir, "capacity.json")) + ".partial"
     cmd = [sys.executable, os.path.abspath(__file__), "--engines", "--model", model, "--log", log,
            "--pairs-out", pairs_out] + sys.argv[1:]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-    rc = follow_progress(proc, log)
-    if rc != 0:
-        raise SystemExit(f"the engines' process failed (rc {rc}), log {log}:\n"
-                         f"{open(log, errors='replace').read()[-6000:]}")
+    e2e_decode.run_engines_process(cmd, env, log, ("[capacity]",))
     data = json.load(open(pairs_out))
     result = finish(data["config"], data)
     if args.out:

@@ -487,18 +487,25 @@ def main() -> None:
     pairs_out = (args.out or os.path.join(workdir, "e2e.json")) + ".partial"
     cmd = [sys.executable, os.path.abspath(__file__), "--engines", "--model", model, "--log", log,
            "--profile-dir", os.path.join(workdir, "profiles"), "--pairs-out", pairs_out] + sys.argv[1:]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-    rc = follow_progress(proc, log)
-    if rc != 0:
-        raise SystemExit(f"the engines' process failed (rc {rc}), log {log}:\n"
-                         f"{open(log, errors='replace').read()[-6000:]}")
+    run_engines_process(cmd, env, log, ("[native]", "[patched]", "[control]", "batch "))
     finish(args, json.load(open(pairs_out)))
 
 
-def follow_progress(proc, log, every_s=2.0) -> int:
-    """Echo the progress lines the engines' process writes to `log` ("[arm] engine up",
-    "batch B pair P ...") while it runs, among vLLM's own lines; returns its exit code."""
+def run_engines_process(cmd: list[str], env: dict, log: str, progress: tuple[str, ...]) -> None:
+    """Run the engines' process `cmd` (this script again, with --engines) with its output in
+    `log`, echoing its progress lines (those starting with one of `progress`); stop with the log's
+    end if it fails."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    rc = follow_progress(proc, log, progress)
+    if rc != 0:
+        raise SystemExit(f"the engines' process failed (rc {rc}), log {log}:\n"
+                         f"{open(log, errors='replace').read()[-6000:]}")
+
+
+def follow_progress(proc, log, progress: tuple[str, ...], every_s=2.0) -> int:
+    """Echo the progress lines the engines' process writes to `log` (those starting with one of
+    `progress`) while it runs, among vLLM's own lines; returns its exit code."""
     with open(log, errors="replace") as f:
         pending = ""
         while True:
@@ -506,7 +513,7 @@ def follow_progress(proc, log, every_s=2.0) -> int:
             pending += f.read()
             *lines, pending = pending.split("\n")
             for ln in lines:
-                if ln.startswith(("[native]", "[patched]", "[control]", "batch ")):
+                if ln.startswith(progress):
                     print(ln, flush=True)
             if rc is not None:
                 return rc
