@@ -13,7 +13,7 @@ import os
 
 from packaging.version import Version
 
-from . import versions
+from . import versions, worker_counters
 from . import vllm as points
 from .config import ReplayConfig, _bool
 from .state import STATE, PatchRefused
@@ -88,6 +88,8 @@ def apply(config: ReplayConfig) -> dict:
         return report()
     STATE.patched = points.install(where, STATE)
     STATE.applied = True
+    # the workers' counters for /metrics: a directory vLLM's processes started from here inherit
+    STATE.counters_dir = worker_counters.shared_dir(os.environ)
     STATE.log_once(logging.INFO, f"replayssm_patch: GDN ReplaySSM enabled in this process (vLLM "
                    f"{STATE.vllm_version}, {where}, ring length {config.ring_len})")
     return report()

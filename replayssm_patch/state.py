@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import worker_counters
 from .config import ReplayConfig
 
 logger = logging.getLogger("vllm.replayssm_patch")
@@ -39,7 +40,10 @@ class PatchState:
     engine_config: ReplayConfig | None = None
     engine_started: bool = False
     stats_logged_at: float = 0.0  # monotonic time of the last counters line
+    counters_dir: str | None = None  # where this process's counters go for /metrics (worker_counters)
+    stats_published_at: float = 0.0  # monotonic time they were last written there
     plan_gauge: object = None  # the /metrics gauge this process registered (vllm/metrics_info.py)
+    counters_collector: object = None  # and the /metrics collector of the workers' counters
 
     def log_stats_every(self, seconds: float) -> None:
         """At most every `seconds`, one INFO line with the ring's counters (a server's operator sees
@@ -51,6 +55,20 @@ class PatchState:
         keys = ("decode_rows", "verify_rows", "flushes", "native_decode_calls", "materialize_calls")
         logger.info("replayssm_patch: ring counters in this worker: " +
                     ", ".join(f"{k}={self.stats[k]}" for k in keys if k in self.stats))
+
+    def publish_stats_every(self, seconds: float) -> None:
+        """At most every `seconds`, the ring's counters to the file the front end's /metrics reads
+        (worker_counters); a directory that cannot be written is given up, with a warning."""
+        now = time.monotonic()
+        if self.counters_dir is None or not self.stats or now - self.stats_published_at < seconds:
+            return
+        self.stats_published_at = now
+        try:
+            worker_counters.publish(self.counters_dir, dict(self.stats))
+        except OSError as e:
+            self.log_once(logging.WARNING, f"replayssm_patch: the ring's counters stay out of /metrics "
+                                           f"({type(e).__name__}: {e})")
+            self.counters_dir = None
 
     def log_once(self, level: int, msg: str) -> None:
         if msg not in self.logged:

@@ -5,9 +5,10 @@ is started as `python -m vllm.entrypoints.openai.api_server`, on loopback, once 
 patched (VLLM_GDN_REPLAYSSM=1, plain decode on the ring from batch 1). Each serves the same
 requests: greedy completions, a streamed completion, a client that drops a stream midway,
 max_tokens=0 and an over-long prompt (both refused or answered, never a crash), then more
-completions. The patched server's log must show the ring decision and its /metrics the plan
-(`replayssm_patch:plan_info`), its greedy outputs must meet the agreement criterion against the
-native server's, and each server is stopped by its PID.
+completions. The patched server's log must show the ring decision, its /metrics the plan
+(`replayssm_patch:plan_info`) and the worker's ring counters (`replayssm_patch:ring_counters_total`),
+its greedy outputs must meet the agreement criterion against the native server's, and each server
+is stopped by its PID.
 """
 
 from __future__ import annotations
@@ -172,6 +173,10 @@ def test_openai_server_native_vs_patched(tmp_path):
     assert len(plan) == 1 and plan[0].endswith(" 1.0"), patched["metrics"]
     for label in ('decision="ring"', 'steps="plain decode of >= 1 rows"', 'ring_len="16"', 'engine="0"'):
         assert label in plan[0], plan[0]
+    # and the worker's ring counters, written from the engine's process, read at the scrape
+    counters = {m.split('counter="')[1].split('"')[0]: float(m.rsplit(" ", 1)[1])
+                for m in patched["metrics"] if m.startswith("replayssm_patch:ring_counters_total{")}
+    assert counters.get("decode_rows", 0) > 0 and counters.get("flushes", 0) > 0, patched["metrics"]
     for arm in (native, patched):  # nothing failed while serving (the stop itself may log more)
         assert "Traceback" not in arm["serving_log"], arm["serving_log"][-3000:]
     for arm in (native, patched):

@@ -281,3 +281,61 @@ def test_metrics_plan_info_failing_never_stops_the_engine(clean_patch_state, mon
     assert calls == ["cache_config"]
     assert "/metrics has no plan_info (ValueError: no plan here)" in caplog.text
     assert clean_patch_state.plan_gauge is None
+
+
+def test_worker_counters_reach_metrics_from_live_workers_only(clean_patch_state, tmp_path):
+    """/metrics's ring counters (worker_counters): what each live worker last wrote, per rank and
+    counter, worst cases ("_max_") left out; a dead worker's file, a stray file and a native plan
+    give nothing."""
+    import types
+
+    from prometheus_client import REGISTRY, Gauge
+
+    from replayssm_patch import worker_counters
+    from replayssm_patch.plan import OPT_IN, Plan, Reason, RingGeometry
+    from replayssm_patch.vllm import metrics_info
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f"{dead.stdout.strip()}.json").write_text(json.dumps(
+        {"pid": int(dead.stdout), "rank": 1, "counters": {"decode_rows": 99}}))
+    (tmp_path / "stray.json").write_text("{not json")
+    clean_patch_state.counters_dir = str(tmp_path)
+    clean_patch_state.stats.update(decode_rows=12, flushes=3, shadow_max_rel_err_x1e6=7)
+    clean_patch_state.publish_stats_every(0)
+    ring = Plan("cuda", RingGeometry(16, 32, 128, 128, 16, torch.bfloat16, torch.float32))
+    metrics_info.record(types.SimpleNamespace(_gauge_cls=Gauge, engine_indexes=[0]), ring)
+    name = worker_counters.METRIC + "_total"
+    me = dict(rank="0", pid=str(os.getpid()))
+    assert REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) == 12
+    assert REGISTRY.get_sample_value(name, dict(me, counter="flushes")) == 3
+    assert REGISTRY.get_sample_value(name, dict(me, counter="shadow_max_rel_err_x1e6")) is None
+    assert REGISTRY.get_sample_value(name, dict(rank="1", pid=dead.stdout.strip(), counter="decode_rows")) is None
+    clean_patch_state.stats["decode_rows"] += 5  # read at each scrape, written at most every `seconds`
+    clean_patch_state.publish_stats_every(3600)
+    assert REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) == 12
+    clean_patch_state.stats_published_at = 0.0
+    clean_patch_state.publish_stats_every(3600)
+    assert REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) == 17
+    native = Plan("cuda", reasons=(Reason(OPT_IN, "allow_mtp='native'"),))
+    metrics_info.record(types.SimpleNamespace(_gauge_cls=Gauge, engine_indexes=[0]), native)
+    assert clean_patch_state.counters_collector is None
+    assert REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) is None
+    REGISTRY.unregister(clean_patch_state.plan_gauge)
+
+
+def test_worker_counters_directory_is_shared_with_started_processes(clean_patch_state, tmp_path, caplog):
+    """The first patched process makes the directory and names it for the processes it starts; they
+    use it; a name that does not exist on this host gets a new one; an unwritable one is given up."""
+    from replayssm_patch import worker_counters
+
+    env: dict[str, str] = {}
+    made = worker_counters.shared_dir(env)
+    assert os.path.isdir(made) and env == {worker_counters.ENV: made}
+    assert worker_counters.shared_dir(dict(env)) == made
+    other = {worker_counters.ENV: str(tmp_path / "on-another-host")}
+    assert worker_counters.shared_dir(other) not in ("", made, str(tmp_path / "on-another-host"))
+    clean_patch_state.counters_dir = str(tmp_path / "gone")
+    clean_patch_state.stats["decode_rows"] = 1
+    with caplog.at_level("WARNING"):
+        clean_patch_state.publish_stats_every(0)
+    assert clean_patch_state.counters_dir is None and "counters stay out of /metrics" in caplog.text

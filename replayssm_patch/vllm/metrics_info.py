@@ -1,9 +1,12 @@
 """Patch point: `PrometheusStatLogger.log_metrics_info`, so that a server's /metrics shows the
-ring's plan. Where vLLM records `vllm:cache_config_info` (once per engine start, in the front
-end), the wrapper records `replayssm_patch:plan_info`: an info gauge (always 1) whose labels are
-the plan drawn from the same engine config, as each worker draws it. (The `use_replayssm` label
-of vLLM's cache_config_info is vLLM's Mamba2 option, not this package.) What each worker built
-stays in its log line, and the ring's counters in that log and in `status(llm)`."""
+ring's plan and counters. Where vLLM records `vllm:cache_config_info` (once per engine start, in
+the front end), the wrapper records `replayssm_patch:plan_info`: an info gauge (always 1) whose
+labels are the plan drawn from the same engine config, as each worker draws it; where that plan
+has the ring, it also registers the collector of the workers' counters
+(`replayssm_patch:ring_counters_total`, replayssm_patch.worker_counters). (The `use_replayssm`
+label of vLLM's cache_config_info is vLLM's Mamba2 option, not this package.) In Prometheus
+multiprocess mode (several API servers) vLLM serves only the metrics its multiprocess collector
+gathers: the plan is there, the counters are not."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import logging
 
 from ..plan import Plan, make_plan
 from ..state import STATE
+from ..worker_counters import RingCountersCollector
 
 METRIC = "replayssm_patch:plan_info"
 LABELS = ("engine", "decision", "steps", "ring_len", "ring_dtype", "state_dtype", "verify_kernel", "reasons")
@@ -50,15 +54,12 @@ def front_end_plan(vllm_config) -> Plan | None:
 
 def record(stat_logger, plan: Plan) -> None:
     """Set the gauge on `stat_logger`'s gauge class (vLLM's, so Prometheus multiprocess mode and
-    Ray's wrapper behave as for vLLM's own info metrics); a gauge left by an earlier engine in
-    this process is unregistered first (Prometheus refuses a name twice)."""
-    from prometheus_client import REGISTRY
-
-    if STATE.plan_gauge is not None:
-        try:
-            REGISTRY.unregister(STATE.plan_gauge)
-        except KeyError:  # not in the default registry (Ray's wrapper)
-            pass
+    Ray's wrapper behave as for vLLM's own info metrics) and, where the plan has the ring, register
+    the counters' collector; what an earlier engine in this process left is unregistered first
+    (Prometheus refuses a name twice)."""
+    for old in (STATE.plan_gauge, STATE.counters_collector):
+        _unregister(old)
+    STATE.counters_collector = None
     gauge = stat_logger._gauge_cls(name=METRIC, documentation="replayssm_patch's plan for the GDN layers "
                                    "(1; labels: ring or native, on which steps, why native)",
                                    multiprocess_mode="mostrecent", labelnames=list(LABELS))
@@ -66,6 +67,21 @@ def record(stat_logger, plan: Plan) -> None:
     labels = plan_labels(plan)
     for engine in stat_logger.engine_indexes:
         gauge.labels(engine=str(engine), **labels).set(1)
+    if plan.geometry is not None and STATE.counters_dir is not None:
+        from prometheus_client import REGISTRY
+
+        STATE.counters_collector = RingCountersCollector(STATE.counters_dir)
+        REGISTRY.register(STATE.counters_collector)
+
+
+def _unregister(collector) -> None:
+    from prometheus_client import REGISTRY
+
+    if collector is not None:
+        try:
+            REGISTRY.unregister(collector)
+        except KeyError:  # not in the default registry (Ray's wrapper)
+            pass
 
 
 def make_wrapper(native):
