@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import MutableMapping
 
-ENV = "VLLM_GDN_REPLAYSSM_COUNTERS_DIR"
+ENV = "REPLAYSSM_PATCH_COUNTERS_DIR"  # no option, so not VLLM_*: vLLM checks those against its table
 PUBLISH_SECONDS = 1.0
 METRIC = "replayssm_patch:ring_counters"  # Prometheus shows a counter family with "_total"
 
