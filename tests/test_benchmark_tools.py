@@ -362,6 +362,7 @@ def test_kernel_baseline_loads_either_package_layout(tmp_path):
         del sys.modules[name]
 
 
+@pytest.mark.slow
 def test_host_overhead_times_both_arms(tmp_path):
     """benchmarks/host_overhead.py in its own process (it stubs the kernels it times)."""
     pytest.importorskip("triton")
@@ -382,6 +383,7 @@ def test_host_overhead_times_both_arms(tmp_path):
     assert [r["tma_launch"] for r in res["rows"]] == ["fused_bv8_w1", "tma_bv16_w2_s1"]  # as the table on Hopper
 
 
+@pytest.mark.slow
 def test_host_overhead_verify_step_times_both_paths(tmp_path):
     """--verify-step: the speculative-only step's host path, vLLM's with our wrapper and ours."""
     import subprocess

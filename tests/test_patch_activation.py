@@ -62,6 +62,7 @@ def _released_sources(release: str, wheel_dir):
     return read
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("release", RELEASES)
 def test_probes_pass_on_released_vllm_sources(release, wheel_dir):
     """The released CUDA wheels are read as zip files (never imported) and probed, each with the
@@ -72,6 +73,7 @@ def test_probes_pass_on_released_vllm_sources(release, wheel_dir):
     assert patch_points.run_probes(read, version=Version(release), unconditional=True) == []  # --use-replayssm
 
 
+@pytest.mark.slow
 def test_probes_see_the_cpu_kernels_move_to_cpu_ops(wheel_dir):
     """vLLM 0.34 moved the CPU GDN kernels from vllm._custom_ops to vllm._cpu_ops: 0.33's points
     fail their probes on 0.34's sources, and 0.34's on 0.33's."""

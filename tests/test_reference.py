@@ -566,6 +566,7 @@ def test_verify_head_dim_128_gqa():
 # -- random sweep -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),

@@ -54,6 +54,7 @@ def test_a_remembered_layout_lets_no_other_through(which, bad, match):
         ring_geometry(*ring, L - 1)  # the bound is part of the layout too
 
 
+@pytest.mark.slow
 def test_memory_stays_bounded():
     for slots in range(1, ring_checks._GEOMETRY_MAX + 20):
         ring_geometry(torch.zeros(slots, HV, V, K), torch.zeros(slots, HV, L, V), torch.zeros(slots, H, L, K),

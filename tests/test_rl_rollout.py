@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = str(REPO / "examples" / "grpo_rollout.py")
 
 
+@pytest.mark.slow
 def test_sleep_level_needs_cuda(tmp_path):
     # The driver refuses sleep mode without CUDA before it builds a model or starts an arm
     # (so before vLLM is imported). CUDA_VISIBLE_DEVICES="" hides any GPU of this host.

@@ -118,6 +118,7 @@ def test_a_class_vllm_serves_itself_keeps_its_flag(hooked):
 
 
 # -- in process: the engine config the flag builds ------------------------------------------------
+@pytest.mark.slow
 def test_qwen_gdn_model_takes_the_ring_and_vllm_never_sees_the_flag(qwen, hooked):
     from replayssm_patch import status
 
@@ -130,6 +131,7 @@ def test_qwen_gdn_model_takes_the_ring_and_vllm_never_sees_the_flag(qwen, hooked
     assert any(TURNED_ON in line for line in hooked.logged)  # the log line, written once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [0, 100])
 def test_a_bad_buffer_length_is_refused_naming_the_flag(qwen, hooked, length):
     with pytest.raises(config.OptionError, match=f"--replayssm-buffer-len={length} is not accepted"):
@@ -137,6 +139,7 @@ def test_a_bad_buffer_length_is_refused_naming_the_flag(qwen, hooked, length):
     assert "VLLM_GDN_REPLAYSSM" not in os.environ and not hooked.applied
 
 
+@pytest.mark.slow
 def test_another_architecture_keeps_vllms_own_refusal(llama, hooked):
     """vLLM refuses the flag for a Llama: the same error with the hook as without it."""
     errors = []

@@ -115,12 +115,14 @@ def _doctor(*args, env=None):
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.slow
 def test_doctor_on_a_missing_path_says_so_in_one_line(tmp_path):
     rc, out, err = _doctor(str(tmp_path / "no-such-model"))
     assert rc == 2 and "is not a directory" in out
     assert "Traceback" not in out + err
 
 
+@pytest.mark.slow
 def test_doctor_never_downloads_an_uncached_hub_id(tmp_path):
     """A Hub id not in the local cache: answered from the cache alone (no retries against the
     Hub), with vLLM's whole error."""
@@ -145,6 +147,7 @@ def test_doctor_rejects_a_bad_ring_length_as_a_usage_error(value):
     assert rc == 2 and "--ring-len" in err and "Traceback" not in out + err
 
 
+@pytest.mark.slow
 def test_doctor_on_a_model_without_gdn_layers(tmp_path):
     """A Llama config: no GDN layers, native, said plainly."""
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1024, hidden_size=256,
@@ -155,6 +158,7 @@ def test_doctor_on_a_model_without_gdn_layers(tmp_path):
     assert rc == 1 and "0 GDN layers" in out and "no Gated DeltaNet" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,builds", [
     ("Qwen3_5ForCausalLM", True), ("Qwen3_5ForConditionalGeneration", True),
     ("Qwen3_5MoeForConditionalGeneration", True), ("Qwen3NextForCausalLM", True),

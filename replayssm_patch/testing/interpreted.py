@@ -80,12 +80,13 @@ def collect(script: str, timeout: float = 600) -> dict:
 
 def interpreted_test(script: str, cases):
     """A pytest test function parametrized by the checks' names: the first one runs them all in
-    one interpreter subprocess (`collect`), each reports its own check. Skipped without torch
-    and triton."""
+    one interpreter subprocess (`collect`), each reports its own check. Marked `slow`; skipped
+    without torch and triton."""
     import pytest
 
     outcome = {}  # "results" (dict) or "error" (str), once per module
 
+    @pytest.mark.slow  # one interpreter subprocess: seconds to minutes per module
     @pytest.mark.parametrize("case", [c.__name__ for c in cases])
     def test(case):
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
