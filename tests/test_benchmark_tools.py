@@ -501,6 +501,16 @@ def test_capacity_summary_pairs_budget_and_acceptance():
     assert s["within_budget"] is True and s["gpu"] == "H100" and s["vllm"] == "0.33.0"
     over = _cap_result(used=(30.0, 30.3))  # 0.3 GiB over the ring engine's budget
     assert mod.finish(over["config"], over)["summary"]["within_budget"] is False
+    # an engine's processes read by PID: within budget after the build, over it after a measurement
+    grew = _cap_result()
+    for name in ("native", "ring"):
+        grew["engines"][name].update(gpu_pids=[1], gpu_used_by_processes_gib=29.0, gpu_used_by_processes_end_gib=29.5)
+    grew["pairs"]["120"][1]["ring"]["gpu_used_by_processes_gib"] = 31.0
+    s = mod.finish(grew["config"], grew)["summary"]
+    assert s["gpu_used_by_processes_max_gib_native"] == 29.5 and s["gpu_used_by_processes_max_gib_ring"] == 31.0
+    assert s["within_budget"] is False
+    grew["pairs"]["120"][1]["ring"]["gpu_used_by_processes_gib"] = 30.2
+    assert mod.finish(grew["config"], grew)["summary"]["within_budget"] is True
     res["pairs"]["30"][0]["ring"]["spec"] = dict(res["pairs"]["30"][0]["ring"]["spec"],
                                                  num_accepted_tokens_per_pos=[3, 1, 0], num_accepted_tokens=4)
     assert mod.finish(res["config"], res)["summary"]["acceptance_equal"] is False
