@@ -508,9 +508,15 @@ def test_capacity_summary_pairs_budget_and_acceptance():
     grew["pairs"]["120"][1]["ring"]["gpu_used_by_processes_gib"] = 31.0
     s = mod.finish(grew["config"], grew)["summary"]
     assert s["gpu_used_by_processes_max_gib_native"] == 29.5 and s["gpu_used_by_processes_max_gib_ring"] == 31.0
-    assert s["within_budget"] is False
+    assert s["within_budget"] is False and s["within_budget_native"] is True and s["within_budget_ring"] is False
+    assert s["over_budget_gib_ring"] == 1.0 and s["ring_over_native_gib"] == 1.5 and s["ring_within_native"] is False
     grew["pairs"]["120"][1]["ring"]["gpu_used_by_processes_gib"] = 30.2
     assert mod.finish(grew["config"], grew)["summary"]["within_budget"] is True
+    # both engines over their budget by as much: the strict check fails, the ring adds nothing
+    for name in ("native", "ring"):
+        grew["engines"][name]["gpu_used_by_processes_end_gib"] = 33.0
+    s = mod.finish(grew["config"], grew)["summary"]
+    assert s["within_budget"] is False and s["ring_over_native_gib"] == 0.0 and s["ring_within_native"] is True
     res["pairs"]["30"][0]["ring"]["spec"] = dict(res["pairs"]["30"][0]["ring"]["spec"],
                                                  num_accepted_tokens_per_pos=[3, 1, 0], num_accepted_tokens=4)
     assert mod.finish(res["config"], res)["summary"]["acceptance_equal"] is False
