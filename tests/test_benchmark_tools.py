@@ -104,7 +104,7 @@ def _args(mod, tmp_path, **over):
     import argparse
 
     a = argparse.Namespace(batches="1,64", state_dtype="float32", kernel_json=None, kernel_shape="qwen3-next",
-                           compile_mode=3, cudagraph_mode="FULL_AND_PIECEWISE", mtp=0, mtp_kernel="triton", shape="9b", tp=1,
+                           compile_mode=None, cudagraph_mode=None, mtp=0, mtp_kernel="triton", shape="9b", tp=1,
                            gdn_heads="16,32", out=str(tmp_path / "e2e.json"), plot=str(tmp_path / "e2e.png"),
                            gpu_util=0.45, control=False, min_batch=1)
     for k, v in over.items():

@@ -212,9 +212,12 @@ def _check_rebind_keeps_what_graphs_hold(layer, full, before):
 
 
 def test_an_extensible_rebind_keeps_the_cursor_and_takes_the_new_pages(clean_patch_state):
+    from replayssm_patch.state import STATE
+
     layer = ring_layer(extensible=True)
     full, before = _rebind(layer)
     _check_rebind_keeps_what_graphs_hold(layer, full, before)
+    assert STATE.stats["cursor_rebinds"] == 1  # the counter the GPU rebind test reads
 
 
 def _fresh_cursor(self, pages):

@@ -6,6 +6,9 @@ process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
     {"model": path, "patched": bool, "ring_len": int, "min_batch": int | "auto" (default 1),
      "allow_mtp": bool (default False),
      "via": "patch" | "env" | "flag",
+     "cursor_per_bind": bool (optional, in process only: every bind gets a fresh cursor, as the
+                       layer did before it kept the cursor across vLLM 0.34's rebind; a test
+                       shows that this breaks CUDA graphs captured before the rebind),
      "engines": [{"name": str, "engine": {LLM kwargs}, "scenario": "batch" | "staggered",
                   "prompts": [[token ids] | {"ids": [...], "image_seed": int}...],
                   "max_tokens": [int...],
@@ -191,6 +194,21 @@ def run_arm(workdir, name: str, spec: dict, mp: bool = False, extra_env=None) ->
     return json.loads(line[len("RESULT_JSON "):]), log
 
 
+def _fresh_cursor_at_every_bind() -> None:
+    """The layer's bind before the cursor was kept across rebinds (see the spec's
+    `cursor_per_bind`); patched in this process, so the engine must run in it too."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        raise RuntimeError("cursor_per_bind needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    import torch
+
+    from replayssm_patch.vllm.gdn_layer import ReplayQwenGDN
+
+    def fresh(self, pages):
+        return torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device), False
+
+    ReplayQwenGDN._cursor_for = fresh
+
+
 def main(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     if spec["patched"] and spec.get("via", "patch") == "patch":
@@ -202,6 +220,8 @@ def main(spec_path: str) -> None:
                                        min_batch=spec.get("min_batch", 1),
                                        allow_mtp="ring" if spec.get("allow_mtp") else "native")
         assert report["applied"], report
+    if spec.get("cursor_per_bind"):
+        _fresh_cursor_at_every_bind()
     from vllm import LLM, SamplingParams
 
     results = {}

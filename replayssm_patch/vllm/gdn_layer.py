@@ -111,9 +111,13 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         views = [pages[:, start:start + size].view(dtype).view(-1, *shape)
                  for start, size, (shape, dtype) in list(zip(starts, sizes, states))[len(native):]]
         cursor, rebound = self._cursor_for(pages)
+        if rebound:  # shows in the counters that a rebind happened and kept the cursor
+            STATE.stats["cursor_rebinds"] += 1
         buffers = RingBuffers(*views, cursor=cursor)
         config = STATE.config
-        if config.shadow:  # testing aid: exact states beside the ring, in the CPU kernels' view
+        if config.shadow and not pages.is_cuda:
+            # testing aid: exact states beside the ring, checked by vLLM's CPU decode (so CPU
+            # only; on CUDA a first bind of an extensible cache is mostly unmapped memory)
             buffers.shadow = cpu_kv_view(self).clone()
         if config.poison and (rebound or not self._extensible_cache()):
             # testing aid: garbage in every ring nobody started yet. vLLM >= 0.34 first binds an
