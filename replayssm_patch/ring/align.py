@@ -99,6 +99,10 @@ def publish(moves: Moves, bt_rows, live_col, acc, new) -> None:
     _run(moves, src, dst, take.to(torch.int32).contiguous(), acc.to(torch.int32).contiguous())
     if moves.stats is not None:
         moves.stats["align_publish_calls"] += 1
+        if not src.is_cuda:  # what the boundaries did (a host sync on CUDA: counted on CPU only)
+            at = (dst[0] > 0) & (src[0] > 0)
+            moves.stats["align_boundaries_in_place"] += int((at & (dst[0] == src[0])).sum())
+            moves.stats["align_boundaries_published"] += int((at & (dst[0] != src[0])).sum())
 
 
 def migrate(moves: Moves, bt_rows, src_col, dst_col) -> None:
@@ -112,6 +116,8 @@ def migrate(moves: Moves, bt_rows, src_col, dst_col) -> None:
     _run(moves, src, dst, torch.zeros(bt_rows.shape[0], dtype=torch.int32, device=src.device), None)
     if moves.stats is not None:
         moves.stats["align_migrate_calls"] += 1
+        if not src.is_cuda:  # a host sync on CUDA: counted on CPU only
+            moves.stats["align_migrations"] += int(moving.sum())
 
 
 def _run(moves: Moves, src, dst, take, accepted) -> None:
