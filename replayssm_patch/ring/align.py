@@ -57,7 +57,9 @@ class Moves:
     def ring_lists(self):
         """(states, ring d, k, g, cursors) of the ring layers, in the ring's [slot, HV, V, K] view."""
         rings = [layer.replay_ring for layer in self.layers]
-        states = [layer.ring_state() if layer.ring_state().is_cuda else cpu_state_view(layer) for layer in self.layers]
+        # the checkpoint as the ring indexes it: vLLM's [slot, HV, V, K] on CUDA, its CPU kernels'
+        # transposed view on CPU (ring.call)
+        states = [layer.kv_cache[1] if layer.kv_cache[1].is_cuda else cpu_state_view(layer) for layer in self.layers]
         return states, [r.d for r in rings], [r.k for r in rings], [r.g for r in rings], [r.cursor for r in rings]
 
 
