@@ -7,7 +7,9 @@ The two uses prefix caching with MTP makes of it:
   span (the prefix state into another block), full acceptance ending on the boundary (flush in
   place), zero-draft rows, rows without a window, rows that only commit, padding rows;
 * the migration to a new live block (no `accepted`): a committed ring, an empty ring (an exact
-  copy), one source published to two destinations, a row whose block does not change.
+  copy), one source published to two destinations, a row whose block does not change;
+* both as the CUDA path of ring.align launches them (one launch over layers whose checkpoints
+  and rings are views into paged cache blocks), with the block ids written out by hand.
 
 Destination checkpoints are NaN and destination cursors garbage before the kernel runs; ring
 entries past each source's live span are NaN. Two KV-cache groups with different slot numbers.
@@ -254,8 +256,101 @@ def case_rejects_bad_inputs():
     return {}
 
 
+def _paged_layer(torch, slots, gen):
+    """A ring layer as the engine binds it: conv state, checkpoint and ring as views into one
+    page per slot (gdn_layer.bind_kv_cache), so every slot stride is the page's."""
+    from types import SimpleNamespace
+
+    from replayssm_patch.ring.runtime import RingBuffers
+
+    shapes = [((3, 8), torch.float32), ((HV, V, K), torch.float32), ((HV, L), torch.float32),
+              ((HV, L, V), torch.float32), ((H, L, K), torch.float32)]
+    sizes = [torch.Size(s).numel() * d.itemsize for s, d in shapes]
+    pages = torch.zeros(slots, sum(sizes) + 64, dtype=torch.uint8)
+    views, start = [], 16
+    for (shape, dtype), size in zip(shapes, sizes):
+        views.append(pages[:, start:start + size].view(dtype).view(-1, *shape))
+        start += size
+    for v in views:
+        v.copy_(torch.randn(v.shape, generator=gen) * 0.3)
+    views[2].copy_(torch.cumsum(-torch.rand(slots, HV, L, generator=gen) * 0.2, dim=-1))
+    ring = RingBuffers(views[2], views[3], views[4], torch.zeros(slots, dtype=torch.int32))
+    return SimpleNamespace(kv_cache=[views[0], views[1]], replay_ring=ring, pages=pages)
+
+
+def case_engine_moves_through_the_kernel():
+    """ring.align's publish and migrate as the CUDA path runs them (use_kernel: one launch over
+    the layers' paged views), against the reference with the block ids written out."""
+    import torch
+
+    from replayssm_patch.ops import ring_publish_reference
+    from replayssm_patch.ops.cursor import pack_cursor
+    from replayssm_patch.ring import align
+
+    gen = torch.Generator().manual_seed(4)
+    bs, slots = 8, 30
+    layers = [_paged_layer(torch, slots, gen) for _ in range(2)]
+    tables = [(torch.randperm(slots - 1, generator=gen)[:20].view(4, 5) + 1).to(torch.int32) for _ in range(2)]
+    moves = align.Moves(bs, tables, layers, [0, 1], use_kernel=True)
+    rows = torch.tensor([0, 1, 2, -1])
+    live = torch.tensor([2, 2, 3, 1])
+    acc = torch.tensor([3, 2, 1, 2])
+    old = torch.tensor([3 * bs - 3, 2 * bs - 1, 3 * bs + 2, bs])  # in place, inside the span, none, padding
+    for layer, bt in zip(layers, tables):
+        for r, c in zip(rows.tolist(), live.tolist()):
+            if r >= 0:
+                layer.replay_ring.cursor[int(bt[r, c])] = int(pack_cursor(torch.tensor(2), torch.tensor(4)))
+
+    def expect(src, dst, take, accepted):
+        states = [layer.kv_cache[1].double() for layer in layers]
+        cursors = [layer.replay_ring.cursor.clone() for layer in layers]
+        rings = [layer.replay_ring for layer in layers]
+        ring_publish_reference(states, [r.d.double() for r in rings], [r.k.double() for r in rings],
+                               [r.g.double() for r in rings], cursors, [0, 1], src, dst, take, accepted)
+        return states, cursors
+
+    def check(want, written):
+        worst = 0.0
+        for layer, ws, wc, slots_written in zip(layers, *want, written):
+            assert torch.equal(layer.replay_ring.cursor, wc)
+            got = layer.kv_cache[1]
+            for s in range(slots):
+                if s in slots_written:
+                    err = float((got[s].double() - ws[s]).norm() / ws[s].norm())
+                    worst = max(worst, err)
+                    assert err < 1e-5, (s, err)
+                else:
+                    assert torch.equal(got[s].double(), ws[s]), s
+        return worst
+
+    crosses, dst_col, take = align.boundary(acc, old + acc, bs)
+    valid = rows >= 0
+    src = torch.stack([torch.where(valid, bt[rows.clamp(min=0), live], 0) for bt in tables]).int()
+    dst = torch.stack([torch.where(valid & crosses, bt[rows.clamp(min=0), dst_col.clamp(min=0)], 0)
+                       for bt in tables]).int()
+    assert bool((dst[:, 0] == src[:, 0]).all()) and bool((dst[:, 1] != src[:, 1]).all()) and not bool(crosses[2])
+    want = expect(src, dst, take.int(), acc.int())
+    for layer, g in zip(layers, (0, 1)):  # poison the published block's checkpoint
+        layer.kv_cache[1][int(dst[g, 1])] = float("nan")
+    align.publish(moves, rows, live, acc, old + acc)
+    worst = check(want, [{int(dst[g, 0]), int(dst[g, 1])} for g in (0, 1)])
+
+    src_col, dst_col = torch.tensor([2, 1, 3, 0]), torch.tensor([3, 1, 4, 1])  # row 1 stays, row 3 is padding
+    moving = torch.tensor([True, False, True, False])
+    src = torch.stack([torch.where(moving, bt[rows.clamp(min=0), src_col], 0) for bt in tables]).int()
+    dst = torch.stack([torch.where(moving, bt[rows.clamp(min=0), dst_col], 0) for bt in tables]).int()
+    for layer, g in zip(layers, (0, 1)):
+        for i in (0, 2):
+            layer.kv_cache[1][int(dst[g, i])] = float("nan")
+            layer.replay_ring.cursor[int(dst[g, i])] = 7
+    want = expect(src, dst, torch.zeros(4, dtype=torch.int32), None)
+    align.migrate(moves, rows, src_col, dst_col)
+    worst = max(worst, check(want, [{int(dst[g, 0]), int(dst[g, 2])} for g in (0, 1)]))
+    return {"max_rel": worst}
+
+
 CASES = [case_commit_publish_fp32, case_commit_publish_bf16, case_commit_publish_fp32_state_bf16_ring,
-         case_migrate_fp32, case_migrate_bf16, case_rejects_bad_inputs]
+         case_migrate_fp32, case_migrate_bf16, case_engine_moves_through_the_kernel, case_rejects_bad_inputs]
 
 
 test_ring_publish_interpreted = interpreted_test(__file__, CASES)

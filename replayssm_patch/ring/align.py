@@ -52,14 +52,15 @@ class Moves:
     ring_groups: list[int]
     copies: list[StateCopy] = field(default_factory=list)  # what vLLM's copy kernels move (CPU replays them)
     stats: Counter | None = None
-    table: object = None  # ops.RingTable over the ring layers (CUDA), built on first use
+    use_kernel: bool = False  # the Triton op (CUDA), else its torch reference (CPU)
+    table: object = None  # ops.RingTable over the ring layers (the kernel's), built on first use
 
     def ring_lists(self):
         """(states, ring d, k, g, cursors) of the ring layers, in the ring's [slot, HV, V, K] view."""
         rings = [layer.replay_ring for layer in self.layers]
-        # the checkpoint as the ring indexes it: vLLM's [slot, HV, V, K] on CUDA, its CPU kernels'
-        # transposed view on CPU (ring.call)
-        states = [layer.kv_cache[1] if layer.kv_cache[1].is_cuda else cpu_state_view(layer) for layer in self.layers]
+        # the checkpoint as the ring indexes it: vLLM's [slot, HV, V, K] on CUDA (the kernel's
+        # platform), its CPU kernels' transposed view on CPU (ring.call)
+        states = [layer.kv_cache[1] if self.use_kernel else cpu_state_view(layer) for layer in self.layers]
         return states, [r.d for r in rings], [r.k for r in rings], [r.g for r in rings], [r.cursor for r in rings]
 
 
@@ -101,7 +102,7 @@ def publish(moves: Moves, bt_rows, live_col, acc, new) -> None:
     _run(moves, src, dst, take.to(torch.int32).contiguous(), acc.to(torch.int32).contiguous())
     if moves.stats is not None:
         moves.stats["align_publish_calls"] += 1
-        if not src.is_cuda:  # what the boundaries did (a host sync on CUDA: counted on CPU only)
+        if not moves.use_kernel:  # what the boundaries did (a host sync on CUDA: counted on CPU only)
             at = (dst[0] > 0) & (src[0] > 0)
             moves.stats["align_boundaries_in_place"] += int((at & (dst[0] == src[0])).sum())
             moves.stats["align_boundaries_published"] += int((at & (dst[0] != src[0])).sum())
@@ -118,12 +119,12 @@ def migrate(moves: Moves, bt_rows, src_col, dst_col) -> None:
     _run(moves, src, dst, torch.zeros(bt_rows.shape[0], dtype=torch.int32, device=src.device), None)
     if moves.stats is not None:
         moves.stats["align_migrate_calls"] += 1
-        if not src.is_cuda:  # a host sync on CUDA: counted on CPU only
+        if not moves.use_kernel:  # a host sync on CUDA: counted on CPU only
             moves.stats["align_migrations"] += int(moving.sum())
 
 
 def _run(moves: Moves, src, dst, take, accepted) -> None:
-    if src.is_cuda:
+    if moves.use_kernel:
         from ..ops import ring_publish, ring_table
 
         if moves.table is None:

@@ -65,7 +65,7 @@ def _capture(ctx, kv_cache_config, forward_context, copy_funcs, block_tables):
         raise RuntimeError(f"GDN ring: mamba block size {ctx.block_size} below the verify window "
                            f"{spec_tokens + 1}: a window could cross two block boundaries")
     return align.Moves(ctx.block_size, [align.full_table(t) for t in block_tables], layers, ring_groups, copies,
-                       STATE.stats)
+                       STATE.stats, use_kernel=block_tables[0].is_cuda)
 
 
 def make_precopy_wrapper(native):
