@@ -38,6 +38,7 @@ class RingTable:
 
     addresses: torch.Tensor  # int64 [layers, 5]: state, ring_d, ring_k, ring_g, cursor base addresses
     groups: torch.Tensor  # int32 [layers]: the layer's row in the src / dst slot arrays
+    group_count: int  # rows the src / dst arrays need (the largest group + 1), kept on the host
     strides: tuple[int, int, int, int]  # slot strides (elements) of state, ring_d, ring_k, ring_g
     shape: tuple[int, int, int, int, int]  # H, HV, K, V, L
     state_dtype: torch.dtype
@@ -67,7 +68,8 @@ def ring_table(states, rings_d, rings_k, rings_g, cursors, groups) -> RingTable:
                          f"(got {states[0].dtype}, {rings_d[0].dtype})")
     H, HV, K, V, L, strides = first
     addresses = torch.tensor([[t.data_ptr() for t in tensors] for tensors in layers], dtype=torch.int64)
-    return RingTable(addresses.to(dev), torch.tensor(list(groups), dtype=torch.int32, device=dev), strides,
+    return RingTable(addresses.to(dev), torch.tensor(list(groups), dtype=torch.int32, device=dev),
+                     max(int(g) for g in groups) + 1, strides,
                      (H, HV, K, V, L), states[0].dtype, rings_d[0].dtype, states[0].shape[0], tuple(layers))
 
 
@@ -186,7 +188,7 @@ def ring_publish(
     dev = table.addresses.device
     for name, t in (("src", src), ("dst", dst)):
         if t.ndim != 2 or t.dtype != torch.int32 or t.stride(1) != 1 or t.device != dev or t.shape[1] < rows \
-                or t.shape[0] <= int(table.groups.max()):
+                or t.shape[0] < table.group_count:
             raise ValueError(f"{name} must be int32 [groups, >= {rows}] with a contiguous last dim on {dev} "
                              f"(got {t.dtype} {tuple(t.shape)} on {t.device})")
     if src.stride(0) != dst.stride(0):

@@ -53,11 +53,14 @@ class Moves:
     copies: list[StateCopy] = field(default_factory=list)  # what vLLM's copy kernels move (CPU replays them)
     stats: Counter | None = None
     use_kernel: bool = False  # the Triton op (CUDA), else its torch reference (CPU)
-    table: object = None  # ops.RingTable over the ring layers (the kernel's), built on first use
+    table: object = None  # ops.RingTable over the ring layers (the kernel's), for `table_rings`
+    table_rings: tuple = ()  # the layers' RingBuffers the table was built from
 
     def ring_lists(self):
         """(states, ring d, k, g, cursors) of the ring layers, in the ring's [slot, HV, V, K] view."""
         rings = [layer.replay_ring for layer in self.layers]
+        if any(r is None for r in rings):
+            raise RuntimeError("GDN ring: a ring layer has no bound cache at an align-mode state move")
         # the checkpoint as the ring indexes it: vLLM's [slot, HV, V, K] on CUDA (the kernel's
         # platform), its CPU kernels' transposed view on CPU (ring.call)
         states = [layer.kv_cache[1] if self.use_kernel else cpu_state_view(layer) for layer in self.layers]
@@ -127,8 +130,11 @@ def _run(moves: Moves, src, dst, take, accepted) -> None:
     if moves.use_kernel:
         from ..ops import ring_publish, ring_table
 
-        if moves.table is None:
+        rings = tuple(layer.replay_ring for layer in moves.layers)
+        # built once; again only if vLLM rebound the caches (identity: RingBuffers compare by content)
+        if len(rings) != len(moves.table_rings) or any(a is not b for a, b in zip(rings, moves.table_rings)):
             moves.table = ring_table(*moves.ring_lists(), moves.ring_groups)
+            moves.table_rings = rings
         ring_publish(moves.table, src, dst, take, accepted)
     else:
         from ..ops.publish_reference import ring_publish_reference

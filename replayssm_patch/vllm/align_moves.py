@@ -26,8 +26,10 @@ _MOVES = "_replayssm_moves"  # the context's attribute holding its ring.align.Mo
 
 
 def _ring_layer(layer) -> bool:
+    """A GDN layer whose plan serves MTP on the ring (its cache is read at each move: vLLM may
+    rebind it after this context is initialised)."""
     plan = getattr(layer, "ring_plan", None)
-    return plan is not None and plan.serves and bool(plan.spec_tokens) and layer.replay_ring is not None
+    return plan is not None and plan.serves and bool(plan.spec_tokens)
 
 
 def make_initialize_wrapper(native):
