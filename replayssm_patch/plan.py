@@ -205,11 +205,8 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     limits = []
     if method not in ("mtp", None):
         limits.append(f"speculative method {method!r} (the ring serves 'mtp')")
-    mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
-    if mode != "none":
-        limits.append(f"MTP with prefix caching (mamba_cache_mode={mode!r}): align mode moves states between "
-                      "blocks at offsets the ring's delayed commit does not track yet; disable prefix caching "
-                      "to use the ring with MTP")
+    if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
+        limits += _align_limits(vllm_config, T, platform)
     if getattr(spec, "enable_adaptive_verification", False):
         limits.append("adaptive verification (enable_adaptive_verification, vLLM >= 0.34) trims the verify windows "
                       "on the device after the host metadata is built, which the ring's verify has not been "
@@ -234,6 +231,39 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     why = ("asked for (allow_mtp=ring)" if config.allow_mtp == "ring" else
            "one state slot per request instead of 1+T: more requests fit (benchmarks/results/capacity.json)")
     return reasons, why
+
+
+def gdn_prefill_backend(vllm_config) -> str:
+    """The GDN prefill kernel vLLM picks for `vllm_config` (it asks the device)."""
+    try:
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _resolve_gdn_prefill_backend
+
+        return _resolve_gdn_prefill_backend(vllm_config)[1]
+    except Exception as e:  # an older layout, or no device to ask
+        return f"unknown ({type(e).__name__})"
+
+
+def _align_limits(vllm_config, T: int, platform: str) -> list[str]:
+    """What keeps MTP under prefix caching (align mode) off the ring: the ring moves its SSM state
+    between cache blocks itself (ring.align, hooked into vLLM's align move context)."""
+    cc, out = vllm_config.cache_config, []
+    if versions.capabilities().version < versions.MTP_CUDA_MIN_VERSION:
+        out.append(f"MTP with prefix caching on vLLM < {versions.MTP_CUDA_MIN_VERSION}: the ring moves its state through "
+                   "vLLM's align move context of later releases; disable prefix caching to use the ring with MTP")
+    block = getattr(cc, "mamba_block_size", None) or getattr(cc, "block_size", None)
+    if block is not None and block < T + 1:
+        out.append(f"MTP with prefix caching and a mamba block of {block} tokens: a verify window of {T + 1} could cross "
+                   "two block boundaries, and the ring publishes one per step")
+    if getattr(cc, "prefix_match_unit", None) is not None:
+        out.append("MTP with prefix caching and prefix_match_unit: a hit inside a block starts a request on a block "
+                   "whose ring cursor the ring has not cleared")
+    if platform == "cuda" and versions.capabilities().version >= versions.GDN_PREFILL_CHECKPOINT_VERSION:
+        prefill = gdn_prefill_backend(vllm_config)
+        if prefill != "triton":
+            out.append(f"MTP with prefix caching and the {prefill} GDN prefill backend: vLLM then writes prefill "
+                       "checkpoints into blocks whose ring cursors the ring does not clear (gdn_prefill_backend="
+                       "'triton' in additional_config serves it)")
+    return out
 
 
 def model_facts(vllm_config, geometry: RingGeometry, memory_bytes: int) -> payoff.ModelFacts:

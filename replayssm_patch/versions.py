@@ -54,6 +54,8 @@ def installed_vllm_version() -> str | None:
 
 MTP_CUDA_MIN_VERSION = Version("0.32")  # the CUDA MTP routing is written for vLLM 0.32 and later
 MRV2_ONLY_VERSION = Version("0.34")  # vLLM's V1 model runner is gone (and use_v2_model_runner with it)
+# vLLM's FlashInfer GDN prefill writes align-mode checkpoints inside a prefill chunk from here on
+GDN_PREFILL_CHECKPOINT_VERSION = Version("0.33")
 CPU_OPS_VERSION = Version("0.34")  # the CPU build's kernel wrappers moved from vllm._custom_ops to vllm._cpu_ops
 
 

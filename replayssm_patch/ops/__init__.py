@@ -13,6 +13,8 @@ One file per op, its torch reference beside it (<op>_reference.py):
     verify.py                ring_verify: one MTP verify step, with the delayed commit
     commit.py                ring_commit: the delayed commit alone
     materialize.py           ring_materialize, ring_reset
+    publish.py               ring_publish: a slot's (prefix) state into other slots'
+                             checkpoints, many layers per launch (prefix caching with MTP)
 
 Beside them:
 
@@ -44,6 +46,9 @@ _EXPORTS = {
     "ring_commit": "commit",
     "ring_materialize": "materialize",
     "ring_reset": "materialize",
+    "ring_publish": "publish",
+    "ring_table": "publish",
+    "RingTable": "publish",
     "ring_flags": "ring_flags",
     "ucache_prepare": "ucache",
     "ucache_finish": "ucache",
@@ -57,6 +62,7 @@ _EXPORTS = {
     "ring_commit_pending_reference": "commit_reference",
     "ring_materialize_reference": "materialize_reference",
     "ring_reset_reference": "materialize_reference",
+    "ring_publish_reference": "publish_reference",
     "recurrent_decode_reference": "gdn_reference",
     "recurrent_sequence_reference": "gdn_reference",
     "pack_cursor": "cursor",

@@ -18,6 +18,7 @@ The ops and their references (all in place; rows with slot <= 0 are no-ops with 
       (materialize.py)                 ring_reset_reference
     ring_verify (verify.py)          verify_reference.ring_spec_verify_reference
     ring_commit (commit.py)          commit_reference.ring_commit_pending_reference
+    ring_publish (publish.py)        publish_reference.ring_publish_reference
 
 A row flagged in `start_empty` treats its slot's ring as empty before use: the slot's state was
 just put there by a path that does not carry the ring (align-mode block copy).

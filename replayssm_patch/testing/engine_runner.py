@@ -13,6 +13,12 @@ process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
                   "prompts": [[token ids] | {"ids": [...], "image_seed": int}...],
                   "max_tokens": [int...],
                   "model": path (optional, replaces the spec's),
+                  "followups": {"prompts": [[ids] | {"from": i, "take": n, "then": [ids]}...],
+                                "max_tokens": [int...]} (optional: sent after the scenario, served
+                               from the prefix cache, then again after llm.reset_prefix_cache();
+                               {"from": i, ...}: the first n tokens of request i's prompt and
+                               generated tokens, then `then`; entry "followups": {"cached",
+                               "reset", and each arm's cached token counts}),
                   "memory_check": bool (optional: testing.memory_check's report per worker, last),
                   "teacher_forced": {"save": path, "tokens": [[ids]...] | None,
                                      "tokens_from": engine name | None} (optional)}]}
@@ -87,6 +93,30 @@ def _collect(outputs):
         res.append({"tokens": list(c.token_ids), "logprobs": chosen,
                     "top2": [_top2(d) for d in c.logprobs], "prompt_len": len(o.prompt_token_ids)})
     return res
+
+
+def _followups(llm, spec, prompts, requests) -> dict:
+    """The follow-up prompts' greedy tokens, served from the prefix cache the scenario filled
+    ("cached"), then from an emptied one ("reset")."""
+    from vllm import SamplingParams
+
+    def ids(p):
+        if isinstance(p, dict) and "from" in p:
+            seq = list(prompts[p["from"]]) + list(requests[p["from"]]["tokens"])
+            return seq[:p["take"]] + list(p["then"])
+        return p
+
+    prompts = [_prompt(ids(p)) for p in spec["prompts"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in spec["max_tokens"]]
+    out = {}
+    for arm in ("cached", "reset"):
+        if arm == "reset":
+            assert llm.reset_prefix_cache(), "the prefix cache did not reset"
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        out[arm] = [list(o.outputs[0].token_ids) for o in outs]
+        out[arm + "_cached_tokens"] = [int(o.num_cached_tokens or 0) for o in outs]
+    return out
 
 
 def _run_staggered(llm, prompts, params):
@@ -254,6 +284,8 @@ def main(spec_path: str) -> None:
             for i, o in enumerate(outs):
                 o.request_id = str(i)
         entry = {"requests": _collect(outs), "preemptions": _preemptions(llm)}
+        if eng.get("followups"):
+            entry["followups"] = _followups(llm, eng["followups"], eng["prompts"], entry["requests"])
         if eng["engine"].get("speculative_config"):
             entry["spec_decode"] = spec_decode_metrics(llm)
             entry["gdn_cache"] = _gdn_cache_bytes(llm)

@@ -101,6 +101,31 @@ class PatchPoint:
 
 _SEED = "vLLM PR 65657 (FlashInfer GDN ReplaySSM) and its successors: GDN ReplaySSM inside vLLM"
 
+MAMBA_UTILS = "vllm/v1/worker/mamba_utils.py"
+_ALIGN_CTX = "MambaSpecDecodeGPUContext"
+_ALIGN_UPSTREAM = ("a hook in vLLM's align-mode state moves for states a layer keeps itself (vLLM 0.34 has one for "
+                   "its own Mamba2 ReplaySSM only: replayssm_utils), or GDN ReplaySSM inside vLLM")
+
+
+def _align_point(method: str, params: list[str], what: str, how: str, releases: str) -> PatchPoint:
+    """A method of vLLM's align-mode move context (MTP with prefix caching), wrapped."""
+    return PatchPoint(
+        "wrap", "vllm.v1.worker.mamba_utils", f"{_ALIGN_CTX}.{method}",
+        f"replayssm_patch.vllm.align_moves:{_ALIGN_WRAPPERS[method]}", vllm_versions=releases,
+        what=what,
+        why="with MTP under prefix caching (align mode) vLLM moves states between cache blocks as bytes, taking "
+            "the SSM state from speculative columns a one-slot ring does not have; the ring moves its own state",
+        how=how, upstream=_ALIGN_UPSTREAM, remove_when="vLLM lets a layer move its own state in align mode",
+        probes=(Probe(f"{_ALIGN_CTX}.{method}", MAMBA_UTILS, has_method(_ALIGN_CTX, method, params, exact=True)),))
+
+
+_ALIGN_WRAPPERS = {
+    "initialize_from_forward_context": "make_initialize_wrapper",
+    "run_fused_precopy": "make_precopy_wrapper",
+    "run_fused_postprocess": "make_postprocess_wrapper",
+    "run_fused_postprocess_align": "make_postprocess_align_wrapper",
+}
+
 
 def _cpu_kernel_points(module: str, releases: str) -> tuple[PatchPoint, ...]:
     """The CPU build's two GDN recurrence kernels, as `module` holds them in `releases`; vLLM's CPU
@@ -220,6 +245,39 @@ POINTS = (
             "ring or MambaSpec.page_size_bytes asserts",
         how="the class's hook appends the ring's shapes and dtypes to its GDN spec (found by its state shape)",
         upstream=_SEED, remove_when="as the layer class", applies="first ring layer"),
+    PatchPoint(
+        "class hooks", "vllm.model_executor.models.<served model class>", "get_mamba_state_copy_funcs",
+        "replayssm_patch.vllm.align_copy_funcs:ensure",
+        what="with MTP under prefix caching, vLLM's align copies list the GDN conv state only",
+        why="vLLM's SSM copy reads a speculative column a one-slot ring does not have, and a checkpoint's bytes "
+            "are not the state its ring stands for",
+        how="the class's hook returns vLLM's GDN copy functions cut to their first (conv) one, a prefix vLLM "
+            "accepts; the ring moves the SSM state (align_moves)",
+        upstream=_ALIGN_UPSTREAM, remove_when="as align_moves", applies="first ring layer"),
+    _align_point("initialize_from_forward_context",
+                 ["self", "kv_cache_config", "forward_context", "mamba_state_copy_funcs", "block_tables",
+                  "aligned_index_block_tables"],
+                 what="vLLM's align move context also records the ring layers, block tables and copy lists",
+                 how="after vLLM's own initialisation, ring.align.Moves kept on the context (none: MTP native)",
+                 releases=">=0.32"),
+    _align_point("run_fused_precopy",
+                 ["self", "num_reqs", "state_idx_gpu", "src_col_gpu", "token_bias_gpu", "idx_mapping"],
+                 what="before a step, a request whose live block changed gets the state its old block's ring "
+                      "stands for, with an empty ring",
+                 how="ring_publish (ring.align.migrate), then vLLM's copies (on CPU the same copies in torch: "
+                     "vLLM's are Triton kernels)", releases=">=0.32"),
+    _align_point("run_fused_postprocess",
+                 ["self", "num_reqs", "num_accepted_tokens_gpu", "mamba_state_idx_gpu", "num_scheduled_tokens_gpu",
+                  "num_computed_tokens_gpu", "num_draft_tokens_gpu"],
+                 what="after sampling (V1 runner), the accepted entries are committed and the state at a block "
+                      "boundary the accepted tokens reached is published into the block it completes",
+                 how="ring_publish with the accepted counts (ring.align.publish) before vLLM's kernel rewrites "
+                     "them, then vLLM's copies (torch on CPU)", releases=">=0.32,<0.34"),
+    _align_point("run_fused_postprocess_align",
+                 ["self", "num_reqs", "num_accepted_tokens_gpu", "state_idx_gpu", "new_num_computed_tokens_gpu",
+                  "idx_mapping"],
+                 what="as run_fused_postprocess, for the V2 runner", how="as run_fused_postprocess",
+                 releases=">=0.32"),
     PatchPoint(
         "wrap", CPU_GDN_MODULE, "_cpu_gdn_attention_nonspec", "replayssm_patch.vllm.cpu_core:make_wrapper",
         platform="cpu",

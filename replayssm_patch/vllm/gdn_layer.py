@@ -24,7 +24,7 @@ from ..ring import shadow
 from ..ring.call import cpu_kv_view, run_with_ring
 from ..ring.runtime import RingBuffers, ops_for
 from ..state import STATE, PatchRefused
-from . import fused_decode_flags, model_class, spec_verify_step
+from . import align_copy_funcs, fused_decode_flags, model_class, spec_verify_step
 from .gdn_backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata, ring_spec, state_offsets
 
 
@@ -34,6 +34,8 @@ def plan_for(vllm_config) -> Plan:
     plan = make_plan(vllm_config, STATE.config, device_memory())
     if plan.serves:
         ok, why = model_class.ensure(vllm_config, _ring_pages, STATE)
+        if ok and plan.spec_tokens and getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
+            ok, why = align_copy_funcs.ensure(model_class.served_class(vllm_config), STATE)
         if not ok:
             from ..plan import UNSUPPORTED, Reason
 

@@ -33,6 +33,11 @@ def _model_class(config):
     return cls
 
 
+def served_class(config):
+    """The model class vLLM serves for `config` (for the other class hooks: align_copy_funcs)."""
+    return _model_class(config)
+
+
 def builds_qwen_gdn_layers(config) -> tuple[bool, str]:
     """Whether the served model class (of `config`, a VllmConfig or its ModelConfig) builds vLLM's `QwenGatedDeltaNetAttention` (the class the
     patch replaces, by name) somewhere below it: follows the vLLM classes each class's source
