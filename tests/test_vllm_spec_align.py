@@ -96,7 +96,8 @@ def test_mtp_with_prefix_caching_through_the_ring(mtp_model, tmp_path):
               f"(after reset {fu['reset_cached_tokens']})")
         for r, (a, b) in enumerate(zip(on["requests"], off["requests"])):
             assert a["tokens"] == b["tokens"], f"T={T}: request {r} differs with prefix caching on"
-        assert fu["cached"] == fu["reset"], f"T={T}: cached follow-ups differ from reset ones"
+        assert [r["tokens"] for r in fu["cached"]] == [r["tokens"] for r in fu["reset"]], \
+            f"T={T}: cached follow-ups differ from reset ones"
         # hits beyond the prompt-only blocks: a block completed while decoding was reused
         assert max(fu["cached_cached_tokens"]) > max(PROMPT_LENS), fu["cached_cached_tokens"]
         assert max(fu["reset_cached_tokens"]) == 0, fu["reset_cached_tokens"]

@@ -18,7 +18,8 @@ process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
                                from the prefix cache, then again after llm.reset_prefix_cache();
                                {"from": i, ...}: the first n tokens of request i's prompt and
                                generated tokens, then `then`; entry "followups": {"cached",
-                               "reset", and each arm's cached token counts}),
+                               "reset" (requests as "requests"), and each one's cached token
+                               counts}),
                   "memory_check": bool (optional: testing.memory_check's report per worker, last),
                   "teacher_forced": {"save": path, "tokens": [[ids]...] | None,
                                      "tokens_from": engine name | None} (optional)}]}
@@ -107,15 +108,17 @@ def _followups(llm, spec, prompts, requests) -> dict:
         return p
 
     prompts = [_prompt(ids(p)) for p in spec["prompts"]]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=2)
               for n in spec["max_tokens"]]
     out = {}
     for arm in ("cached", "reset"):
         if arm == "reset":
             assert llm.reset_prefix_cache(), "the prefix cache did not reset"
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        out[arm] = [list(o.outputs[0].token_ids) for o in outs]
+        outs = llm.generate(prompts, params, use_tqdm=False)  # in prompt order
         out[arm + "_cached_tokens"] = [int(o.num_cached_tokens or 0) for o in outs]
+        for i, o in enumerate(outs):
+            o.request_id = str(i)
+        out[arm] = _collect(outs)
     return out
 
 

