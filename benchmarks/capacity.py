@@ -339,13 +339,13 @@ def engines(args) -> None:
     llms, metrics = {}, {}
     from vllm.platforms import current_platform
 
-    cpu = current_platform.is_cpu()
+    options = ring_options(args, current_platform.is_cpu())
     mem0 = device_memory()  # this process's own CUDA context is counted before the first engine
     for name in ARMS:
         if name == "ring":
             import replayssm_patch
 
-            report = replayssm_patch.patch(**ring_options(args, cpu))
+            report = replayssm_patch.patch(**options)
             assert report["applied"], report
         free_before, procs_before = device_memory(), gpu_processes()
         t0 = time.perf_counter()
@@ -410,7 +410,7 @@ def engines(args) -> None:
 
     seen = replayssm_patch.status(llms["ring"])
     layers = list(seen.get("layers", {}).values())
-    res["engines"]["ring"].update(ring_counters=seen.get("counters"), ring_options=ring_options(args, cpu),
+    res["engines"]["ring"].update(ring_counters=seen.get("counters"), ring_options=options,
                                   gdn_layers_on_ring=sum(v == "ring" for v in layers), gdn_layers=len(layers))
     json.dump(res, open(args.pairs_out, "w"), indent=1)
 

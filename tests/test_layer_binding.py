@@ -29,6 +29,7 @@ if not os.environ.get("CI"):
 
 from replayssm_patch.ring import shadow  # noqa: E402
 from replayssm_patch.ring.runtime import CpuRingOps  # noqa: E402
+from replayssm_patch.testing.engine_runner import fresh_cursor  # noqa: E402
 from replayssm_patch.vllm import model_class  # noqa: E402
 from replayssm_patch.vllm.gdn_backend import state_offsets  # noqa: E402
 from replayssm_patch.vllm.gdn_layer import ReplayQwenGDN  # noqa: E402
@@ -220,11 +221,6 @@ def test_an_extensible_rebind_keeps_the_cursor_and_takes_the_new_pages(clean_pat
     assert STATE.stats["cursor_rebinds"] == 1  # the counter the GPU rebind test reads
 
 
-def _fresh_cursor(self, pages):
-    """The old behaviour: a new, empty cursor at every bind."""
-    return torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device), False
-
-
 def _whole_kept_cursor(self, pages):
     """Keeping the cursor without taking its prefix (capacity-many slots after the rebind, where
     every ring operation checks `cursor.shape == (slots,)`)."""
@@ -233,7 +229,7 @@ def _whole_kept_cursor(self, pages):
     return self.__dict__["_ring_cursor"], True
 
 
-@pytest.mark.parametrize("old,fails_with", [(_fresh_cursor, "the cursor moved"),
+@pytest.mark.parametrize("old,fails_with", [(fresh_cursor, "the cursor moved"),
                                             (_whole_kept_cursor, "more slots than the rebound state")])
 def test_the_rebind_check_fails_for_the_old_behaviours(old, fails_with, monkeypatch, clean_patch_state):
     """The check above has teeth: a fresh cursor per bind moves the address FULL graphs hold; the

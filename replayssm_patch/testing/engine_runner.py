@@ -230,19 +230,21 @@ def run_arm(workdir, name: str, spec: dict, mp: bool = False, extra_env=None) ->
     return json.loads(line[len("RESULT_JSON "):]), log
 
 
-def _fresh_cursor_at_every_bind() -> None:
-    """The layer's bind before the cursor was kept across rebinds (see the spec's
-    `cursor_per_bind`); patched in this process, so the engine must run in it too."""
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
-        raise RuntimeError("cursor_per_bind needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+def fresh_cursor(layer, pages):
+    """`ReplayQwenGDN._cursor_for` as it was before the cursor was kept across rebinds: a new,
+    empty cursor at every bind (a test's stand-in for the old behaviour)."""
     import torch
 
+    return torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device), False
+
+
+def _fresh_cursor_at_every_bind() -> None:
+    """The spec's `cursor_per_bind`: patched in this process, so the engine must run in it too."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        raise RuntimeError("cursor_per_bind needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     from replayssm_patch.vllm.gdn_layer import ReplayQwenGDN
 
-    def fresh(self, pages):
-        return torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device), False
-
-    ReplayQwenGDN._cursor_for = fresh
+    ReplayQwenGDN._cursor_for = fresh_cursor
 
 
 def main(spec_path: str) -> None:

@@ -22,14 +22,9 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-vllm = pytest.importorskip("vllm")
-from packaging.version import Version  # noqa: E402
+from replayssm_patch.testing import gpu_engines
 
-if Version(Version(vllm.__version__).base_version) < Version("0.32"):
-    pytest.skip("the ring serves MTP on CUDA from vLLM 0.32", allow_module_level=True)
+gpu_engines.require_cuda("0.32", "the ring serves MTP on CUDA")
 pytestmark = pytest.mark.gpu
 
 from replayssm_patch.testing import cache_dir  # noqa: E402
@@ -41,10 +36,8 @@ SMALL_BLOCKS = dict(gdn_head_dim=64, num_key_value_heads=8, head_dim=128, num_at
 PROMPT_LENS = (200, 201, 202, 203)
 MAX_TOKENS = 190
 FOLLOWUP_TAKE, FOLLOWUP_TOKENS = 392, 40
-ENGINE = dict(load_format="safetensors", dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
-              max_num_seqs=4, seed=0, disable_log_stats=False, mamba_ssm_cache_dtype="float32",
-              gpu_memory_utilization=0.3, attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
-              enable_prefix_caching=True, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+ENGINE = dict(gpu_engines.ENGINE, max_num_seqs=4, disable_log_stats=False, enable_prefix_caching=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
 
 
 def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path):

@@ -23,9 +23,9 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+from replayssm_patch.testing import gpu_engines
+
+gpu_engines.require_cuda()
 pytestmark = pytest.mark.gpu
 
 from replayssm_patch.testing import cache_dir  # noqa: E402
@@ -35,9 +35,7 @@ from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model  # no
 
 RING = 8
 TOKENS = 64
-ENGINE = dict(load_format="safetensors", dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
-              max_num_seqs=8, seed=0, enable_prefix_caching=False, gpu_memory_utilization=0.3,
-              mamba_ssm_cache_dtype="float32", attention_backend="TRITON_ATTN", gdn_prefill_backend="triton")
+ENGINE = dict(gpu_engines.ENGINE, max_num_seqs=8, enable_prefix_caching=False)
 
 
 @pytest.mark.parametrize("ple", [False, True], ids=["plain", "ple"])

@@ -11,7 +11,7 @@ at every bind, so the graphs keep the first one). Checked: the rebind happened a
 cursor (the `cursor_rebinds` counter), the patched tokens agree with native's, and the old bind
 does not (wrong tokens, or the strict shadow check stopping the engine): the test can fail.
 
-vLLM >= 0.34 on CUDA (`bash benchmarks/gpu_run.sh rebind`); skipped elsewhere.
+vLLM >= 0.34 on CUDA (`bash benchmarks/gpu_run.sh v034`); skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -20,14 +20,9 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-vllm = pytest.importorskip("vllm")
-from packaging.version import Version  # noqa: E402
+from replayssm_patch.testing import gpu_engines
 
-if Version(Version(vllm.__version__).base_version) < Version("0.34"):
-    pytest.skip("the extensible KV cache is vLLM >= 0.34", allow_module_level=True)
+gpu_engines.require_cuda("0.34", "the extensible KV cache")
 pytestmark = pytest.mark.gpu
 
 from replayssm_patch.testing import cache_dir  # noqa: E402
@@ -37,10 +32,8 @@ from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model  # no
 
 RING = 8
 TOKENS = 64
-ENGINE = dict(load_format="safetensors", dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
-              max_num_seqs=8, seed=0, enable_prefix_caching=True, gpu_memory_utilization=0.3,
-              mamba_ssm_cache_dtype="float32", attention_backend="TRITON_ATTN", gdn_prefill_backend="triton",
-              enable_extensible_kv_cache=True, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+ENGINE = dict(gpu_engines.ENGINE, max_num_seqs=8, enable_prefix_caching=True, enable_extensible_kv_cache=True,
+              compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
 GRAPHS_WITH_GDN = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}
 
 
