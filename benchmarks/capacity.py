@@ -538,13 +538,20 @@ def finish(cfg: dict, res: dict) -> dict:
 # Summary keys of a run that the merged summary gives once (combined), or through the config label
 _GLOBAL_KEYS = ("gpu", "vllm", "within_budget", "budget_tolerance_gib", "acceptance_tolerance",
                 "config", "shape", "state_dtype", "mtp")
+# Issue 46 reads each T's capacity on the dense 9B shape and its throughput (with the acceptance
+# behind it) on the MoE shape, fp32 state: where runs share a T, these keys also appear untagged
+# by shape, from the run of that shape.
+HEADLINE_SHAPE = {"capacity_ratio": "9b", "throughput_ratio": "moe", "acceptance_native": "moe",
+                  "acceptance_ring": "moe"}
 
 
 def merge_results(results: list[dict]) -> dict:
     """One file from finished runs of different configurations: their results under `runs`
     (by config label) and a summary with every run's keys. A key that does not name the run's T
     gets its tag (acceptance_native -> acceptance_native_t3); where two runs share a T, every key
-    of theirs also gets the shape and state dtype (capacity_ratio_t3_9b_fp32)."""
+    of theirs also gets the shape and state dtype (acceptance_equal_t3_9b_fp32). The keys of
+    HEADLINE_SHAPE always get them (capacity_ratio_t3_9b_fp32), and appear untagged only from the
+    fp32 run of the shape named there."""
     tags = [config_tag(r["config"]["mtp"]) for r in results]
     summary = {"configs": [r["summary"]["config"] for r in results]}
     budgets = [r["summary"].get("within_budget") for r in results]
@@ -552,17 +559,24 @@ def merge_results(results: list[dict]) -> dict:
     for key in ("gpu", "vllm"):
         vals = sorted({r["summary"].get(key) for r in results}, key=str)
         summary[key] = vals[0] if len(vals) == 1 else vals
+    # MTP runs on a GPU whose ring arm recorded its options (runs before that field say nothing)
     defaults = [r["summary"].get("default_mtp_ring") for r in results if r["config"]["mtp"] and r["summary"].get("gpu")]
-    if defaults and None not in defaults:  # MTP runs on a GPU, each with the ring arm's options recorded
-        summary["default_mtp_on_cuda"] = all(defaults)
+    if any(d is not None for d in defaults):
+        summary["default_mtp_on_cuda"] = all(d for d in defaults if d is not None)
     for r, tag in zip(results, tags):
         label = r["summary"]["config"]
-        extra = "" if tags.count(tag) == 1 else "_" + label[: -len(tag) - 1].replace("-", "_")
+        by_shape = "_" + label[: -len(tag) - 1].replace("-", "_")
         for k, v in r["summary"].items():
             if k in _GLOBAL_KEYS:
                 continue
             key = k if f"_{tag}" in k else f"{k}_{tag}"
-            summary[key + extra] = v
+            shape = next((s for h, s in HEADLINE_SHAPE.items() if k.startswith(h)), None)
+            if shape is None:  # told apart by shape and state dtype only where runs share a T
+                summary[key + (by_shape if tags.count(tag) > 1 else "")] = v
+                continue
+            summary[key + by_shape] = v  # a headline key: always tagged, and untagged from its shape's fp32 run
+            if r["config"]["shape"] == shape and r["config"]["state_dtype"] == "float32":
+                summary[key] = v
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "runs": {r["summary"]["config"]: r for r in results}, "summary": summary}
 

@@ -568,22 +568,34 @@ def argparse_ns(**kw):
 
 def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
     """Runs of different T keep their keys, tagged by T; two runs of one T are told apart by shape
-    and state dtype; a cut-off partial and its continuation (same configuration) are joined per
-    load; the plot has one panel per configuration."""
+    and state dtype, and the issue's headline keys stay untagged (capacity from the 9B fp32 run,
+    throughput and acceptance from the MoE fp32 run); a cut-off partial and its continuation (same
+    configuration) are joined per load; the plot has one panel per configuration."""
     mod = _load("capacity")
     t3, t7, bf = _cap_result(), _cap_result(mtp=7, caps=(40.0, 150.0)), _cap_result(state_dtype="bfloat16")
+    moe7 = _cap_result(mtp=7, shape="moe", caps=(45.0, 230.0))
+    moe7["pairs"]["120"][0]["ring"]["tok_s"] = 130.0  # the MoE run's median throughput ratio: 1.5 -> 1.3
+    moe7["pairs"]["120"][2]["ring"]["tok_s"] = 120.0
     part = _cap_result()
     part["pairs"] = {"120": part["pairs"]["120"][:1]}
     paths = []
-    for name, data in (("t3.json.partial", part), ("t3b.json", t3), ("t7.json", t7), ("bf.json", bf)):
+    for name, data in (("t3.json.partial", part), ("t3b.json", t3), ("t7.json", t7), ("bf.json", bf),
+                       ("moe7.json", moe7)):
         (tmp_path / name).write_text(json.dumps(data))
         paths.append(str(tmp_path / name))
     merged = mod.merge(paths)
     s = merged["summary"]
-    assert s["configs"] == ["9b_fp32_t3", "9b_fp32_t7", "9b_bf16_t3"]
-    assert s["capacity_ratio_t7"] == pytest.approx(150 / 40) and s["acceptance_native_t7"] == pytest.approx(1 / 3)
+    assert s["configs"] == ["9b_fp32_t3", "9b_fp32_t7", "9b_bf16_t3", "moe-40l256e_fp32_t7"]
+    assert s["capacity_ratio_t7"] == s["capacity_ratio_t7_9b_fp32"] == pytest.approx(150 / 40)
+    assert s["capacity_ratio_t7_moe_40l256e_fp32"] == pytest.approx(230 / 45)
+    assert s["throughput_ratio_t7"] == s["throughput_ratio_t7_moe_40l256e_fp32"] == pytest.approx(1.3)
+    assert s["throughput_ratio_t7_9b_fp32"] == pytest.approx(1.5)
+    assert s["acceptance_native_t7"] == s["acceptance_native_t7_moe_40l256e_fp32"] == pytest.approx(1 / 3)
     assert s["capacity_ratio_t3_9b_fp32"] == s["capacity_ratio_t3_9b_bf16"] == pytest.approx(142 / 60)
-    assert "capacity_ratio_t3" not in s and s["within_budget"] is True and s["gpu"] == "H100"
+    assert s["capacity_ratio_t3"] == pytest.approx(142 / 60)
+    assert "throughput_ratio_t3" not in s and s["throughput_ratio_t3_9b_fp32"] == pytest.approx(1.5)  # no MoE run at T=3
+    assert s["acceptance_equal_t7_moe_40l256e_fp32"] is True and "acceptance_equal_t3_9b_fp32" in s
+    assert s["within_budget"] is True and s["gpu"] == "H100"
     assert merged["runs"]["9b_fp32_t3"]["table"][120]["pair_ratios"] == [1.5, 1.5, 1.4, 1.7]
     assert len(merged["runs"]["9b_fp32_t3"]["merged_from"]) == 2
     png = tmp_path / "cap.png"
