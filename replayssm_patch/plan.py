@@ -353,3 +353,17 @@ def make_plan(vllm_config, config: ReplayConfig, memory_bytes: int | None = None
     if against:
         return Plan(platform, spec_tokens=T, reasons=tuple(against))
     return Plan(platform, geometry, T, min_batch, kernel, rationale=why)
+
+
+def front_end_plan(vllm_config, config: ReplayConfig) -> Plan | None:
+    """The plan the workers will draw for `vllm_config` under `config`, drawn where the engine's
+    config is made (None: the model builds no Qwen GDN layer, so the package has nothing to do).
+    The GPU's memory comes from vLLM's platform, which reads it without initialising CUDA there."""
+    from vllm.platforms import current_platform
+
+    from .vllm.model_class import builds_qwen_gdn_layers
+
+    if not builds_qwen_gdn_layers(vllm_config)[0]:
+        return None
+    memory = current_platform.get_device_total_memory(0) if current_platform.is_cuda() else None
+    return make_plan(vllm_config, config, memory)

@@ -276,7 +276,7 @@ def test_metrics_plan_info_failing_never_stops_the_engine(clean_patch_state, mon
     calls = []
     wrapped = metrics_info.make_wrapper(lambda self, type, config_obj: calls.append(type))
 
-    def broken(vllm_config):
+    def broken(vllm_config, config):
         raise ValueError("no plan here")
 
     monkeypatch.setattr(metrics_info, "front_end_plan", broken)

@@ -60,6 +60,8 @@ from ..versions import (
 )
 
 WORKER_BASE = "vllm/v1/worker/worker_base.py"
+CONFIG_VLLM = "vllm/config/vllm.py"
+CONFIG_COMPILATION = "vllm/config/compilation.py"
 METRICS_LOGGERS = "vllm/v1/metrics/loggers.py"
 QWEN_GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 CPU_GDN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
@@ -337,6 +339,26 @@ POINTS = (
                 "EngineArgs", "create_engine_config", "create_model_config", "CacheConfig", "use_replayssm")),
             Probe("plugins load in EngineArgs", ARG_UTILS, method_calls("EngineArgs", "__post_init__",
                                                                         "load_general_plugins")),
+        )),
+    PatchPoint(
+        "wrap", "vllm.config.vllm", "VllmConfig._set_cudagraph_sizes", "replayssm_patch.vllm.graph_sizes:make_wrapper",
+        platform="cuda",
+        what="where MTP decodes through the ring and the user left the capture sizes unset, the uniform verify "
+             "batches up to max_num_seqs requests get CUDA graphs",
+        why="vLLM captures up to a fixed token ceiling sized for the requests native holds; the ring holds "
+            "several times more, whose verify steps then ran eagerly",
+        how="after vLLM sets its sizes: the verify sizes n*(1+T) added to its list, then vLLM's own "
+            "post_init_cudagraph_sizes again; a user's sizes are left as they are",
+        upstream=_SEED, remove_when="vLLM sizes its verify graphs for the requests its cache holds",
+        probes=(
+            Probe("VllmConfig._set_cudagraph_sizes", CONFIG_VLLM,
+                  has_method("VllmConfig", "_set_cudagraph_sizes", ["self"], exact=True)),
+            Probe("VllmConfig.uniform_decode_query_len", CONFIG_VLLM,
+                  has_method("VllmConfig", "uniform_decode_query_len")),
+            Probe("CompilationConfig capture sizes", CONFIG_COMPILATION,
+                  dataclass_fields("CompilationConfig", ["cudagraph_capture_sizes", "max_cudagraph_capture_size"])),
+            Probe("CompilationConfig.post_init_cudagraph_sizes", CONFIG_COMPILATION,
+                  has_method("CompilationConfig", "post_init_cudagraph_sizes", ["self"], exact=True)),
         )),
     PatchPoint(
         "environment", "flashinfer.gdn_kernels", "SGLANG_GDN_WY_STRIDED_QKV",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from ..plan import Plan, make_plan
+from ..plan import Plan, front_end_plan
 from ..state import STATE
 from ..worker_counters import RingCountersCollector
 
@@ -36,20 +36,6 @@ def plan_labels(plan: Plan) -> dict[str, str]:
                 steps=f"MTP T={plan.spec_tokens}" if spec else f"plain decode of >= {plan.min_batch} rows",
                 ring_len=str(g.ring_len), ring_dtype=_dtype(g.ring_dtype), state_dtype=_dtype(g.state_dtype),
                 verify_kernel=plan.verify_kernel if spec and plan.platform == "cuda" else "", reasons="")
-
-
-def front_end_plan(vllm_config) -> Plan | None:
-    """The plan the workers will draw for `vllm_config` (None: the model builds no Qwen GDN layer,
-    so the package has nothing to report). The GPU's memory comes from vLLM's platform, which
-    reads it without initialising CUDA in the front end."""
-    from vllm.platforms import current_platform
-
-    from .model_class import builds_qwen_gdn_layers
-
-    if not builds_qwen_gdn_layers(vllm_config)[0]:
-        return None
-    memory = current_platform.get_device_total_memory(0) if current_platform.is_cuda() else None
-    return make_plan(vllm_config, STATE.config, memory)
 
 
 def record(stat_logger, plan: Plan) -> None:
@@ -91,7 +77,7 @@ def make_wrapper(native):
         if type != "cache_config":
             return
         try:
-            plan = front_end_plan(self.vllm_config)
+            plan = front_end_plan(self.vllm_config, STATE.config)
             if plan is not None:
                 record(self, plan)
         except Exception as e:  # a report must never stop a server from starting

@@ -1,0 +1,67 @@
+"""Patch point: `VllmConfig._set_cudagraph_sizes`, so that the verify steps of the requests the
+ring lets fit run in CUDA graphs.
+
+With MTP at T drafts a verify step of n requests is n*(1+T) tokens. vLLM captures graphs only up
+to a platform ceiling unless the user configures wider sizes; a step above it runs eagerly. Native
+vLLM seldom holds enough requests to reach that ceiling, since each request needs 1+T state slots.
+The ring holds several times more in the same memory, so its extra requests ran eagerly: the ring
+engine's step time grew faster than its batch (benchmarks/results/capacity_moe_h100_2026-12-06/).
+
+Where the plan puts MTP on the ring and the user set neither `cudagraph_capture_sizes` nor
+`max_cudagraph_capture_size`, the sizes vLLM chose are kept and the uniform verify sizes n*(1+T)
+are added for a request grid up to `max_num_seqs` (1, 2, 4, then every 8 to 256, then every 16),
+within `max_num_batched_tokens`. vLLM's profiler counts the memory of the graphs it captures, so
+the engine stays within its budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+
+def request_grid(max_requests: int) -> list[int]:
+    """Request counts whose verify batches get a graph: 1, 2, 4, every 8 below 256, every 16 from
+    256, and `max_requests` itself."""
+    counts = [n for n in (1, 2, 4) if n <= max_requests]
+    counts += range(8, min(max_requests + 1, 256), 8)
+    counts += range(256, max_requests + 1, 16)
+    return sorted(set(counts) | {max_requests})
+
+
+def widened_sizes(sizes: list[int], query_len: int, max_requests: int, max_tokens: int) -> list[int]:
+    """`sizes` (vLLM's capture sizes, in tokens) with the uniform verify batches of `query_len`
+    tokens per request added, up to `max_requests` requests and `max_tokens` tokens."""
+    verify = {n * query_len for n in request_grid(max_requests) if n * query_len <= max_tokens}
+    return sorted(set(sizes) | verify)
+
+
+def make_wrapper(native):
+    @functools.wraps(native)
+    def _set_cudagraph_sizes(self):
+        from ..plan import front_end_plan
+        from ..state import STATE
+
+        cc = self.compilation_config
+        user_sized = cc.cudagraph_capture_sizes is not None or cc.max_cudagraph_capture_size is not None
+        native(self)
+        if user_sized or not cc.cudagraph_capture_sizes:
+            return  # the user's sizes stand; or no graphs at all
+        if not int(getattr(self.speculative_config, "num_speculative_tokens", 0) or 0):
+            return
+        plan = front_end_plan(self, STATE.config)
+        if plan is None or plan.geometry is None:
+            return  # MTP stays native: vLLM's sizes fit the requests native holds
+        query_len, before = self.uniform_decode_query_len, cc.max_cudagraph_capture_size
+        sizes = widened_sizes(cc.cudagraph_capture_sizes, query_len, self.scheduler_config.max_num_seqs,
+                              self.scheduler_config.max_num_batched_tokens)
+        if sizes[-1] <= before:
+            return
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, sizes[-1]
+        cc.post_init_cudagraph_sizes()  # vLLM's own finishing step, again with the wider list
+        STATE.log_once(logging.INFO, f"replayssm_patch: CUDA graphs for MTP verify steps of up to "
+                                     f"{sizes[-1] // query_len} requests ({sizes[-1]} tokens; vLLM's default "
+                                     f"stops at {before}): the ring holds more requests than native (set "
+                                     f"cudagraph_capture_sizes to choose the sizes yourself)")
+
+    return _set_cudagraph_sizes

@@ -1,0 +1,102 @@
+"""The CUDA graph sizes for MTP through the ring (replayssm_patch/vllm/graph_sizes.py): the verify
+batches of every request count up to max_num_seqs get a graph where the ring serves MTP and the
+user set no sizes; vLLM's own sizes otherwise. The wrapper runs around vLLM's real
+`VllmConfig._set_cudagraph_sizes` (the installed release's), on a config shaped as a CUDA
+engine's."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from replayssm_patch.vllm import graph_sizes
+
+
+def test_request_grid_and_widened_sizes():
+    assert graph_sizes.request_grid(3) == [1, 2, 3]
+    assert graph_sizes.request_grid(20) == [1, 2, 4, 8, 16, 20]
+    grid = graph_sizes.request_grid(300)
+    assert grid[:4] == [1, 2, 4, 8] and grid[-3:] == [272, 288, 300]
+    assert all(b - a == 8 for a, b in zip(grid[3:34], grid[4:34])) and 248 in grid and 256 in grid
+    # the sizes already there stay; verify sizes are multiples of the query length, within the token budget
+    sizes = graph_sizes.widened_sizes([1, 2, 4, 8, 512], query_len=8, max_requests=256, max_tokens=1024)
+    assert {1, 2, 4, 8, 512} <= set(sizes) and sizes == sorted(set(sizes))
+    assert max(sizes) == 1024 and all(s % 8 == 0 for s in sizes if s not in (1, 2, 4))
+    assert 128 * 8 in sizes and 136 * 8 not in sizes  # 1088 tokens > max_tokens
+
+
+def _cuda_like_config(T: int, max_num_seqs: int = 256, max_tokens: int = 8192, sizes=None, max_size=None):
+    """What vLLM's _set_cudagraph_sizes reads of a VllmConfig, for a CUDA engine with graphs on."""
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+
+    given = {k: v for k, v in (("cudagraph_capture_sizes", sizes), ("max_cudagraph_capture_size", max_size))
+             if v is not None}  # unset: as vLLM's engine arguments leave them
+    cc = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, **given)
+    spec = types.SimpleNamespace(num_speculative_tokens=T, uses_dynamic_speculative_decoding=lambda: False) \
+        if T else None
+    return types.SimpleNamespace(
+        compilation_config=cc, model_config=types.SimpleNamespace(enforce_eager=False),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens),
+        speculative_config=spec, num_speculative_tokens=T, uniform_decode_query_len=1 + T,
+        performance_mode="balanced")
+
+
+@pytest.fixture
+def set_sizes(monkeypatch):
+    """vLLM's _set_cudagraph_sizes wrapped, with the front end's plan stubbed: `ring` says
+    whether it puts the GDN layers on the ring."""
+    pytest.importorskip("vllm")
+    from vllm.config.vllm import VllmConfig
+
+    from replayssm_patch import plan
+
+    def run(config, ring: bool):
+        seen = []
+
+        def stub(vllm_config, options):
+            seen.append(vllm_config)
+            return types.SimpleNamespace(geometry=object() if ring else None)
+
+        monkeypatch.setattr(plan, "front_end_plan", stub)
+        graph_sizes.make_wrapper(VllmConfig._set_cudagraph_sizes)(config)
+        return config.compilation_config, seen
+
+    return run
+
+
+@pytest.mark.vllm
+def test_ring_mtp_gets_graphs_for_every_request_count_it_may_run(set_sizes, clean_patch_state, caplog):
+    native_cc = set_sizes(_cuda_like_config(7), ring=False)[0]
+    with caplog.at_level("INFO"):
+        cc, seen = set_sizes(_cuda_like_config(7), ring=True)
+    assert seen, "the plan was asked"
+    default_max = native_cc.max_cudagraph_capture_size
+    assert default_max < 256 * 8  # vLLM's default stops short of max_num_seqs verify batches at T=7
+    assert set(native_cc.cudagraph_capture_sizes) <= set(cc.cudagraph_capture_sizes)
+    assert cc.max_cudagraph_capture_size == cc.cudagraph_capture_sizes[-1] == 256 * 8
+    added = sorted(set(cc.cudagraph_capture_sizes) - set(native_cc.cudagraph_capture_sizes))
+    assert added and all(s % 8 == 0 and s > default_max for s in added)
+    assert {n * 8 for n in graph_sizes.request_grid(256)} <= set(cc.cudagraph_capture_sizes)
+    assert "CUDA graphs for MTP verify steps of up to 256 requests (2048 tokens" in caplog.text
+
+
+@pytest.mark.vllm
+def test_native_mtp_plain_decode_and_the_users_sizes_keep_vllms(set_sizes, clean_patch_state):
+    native_cc = set_sizes(_cuda_like_config(7), ring=False)[0]
+    reference = list(native_cc.cudagraph_capture_sizes)
+    # plain decode through the ring: vLLM's sizes already cover max_num_seqs one-token rows
+    plain, seen = set_sizes(_cuda_like_config(0), ring=True)
+    assert not seen and plain.max_cudagraph_capture_size <= 512
+    # the user's sizes, or the user's ceiling, stand
+    user, seen = set_sizes(_cuda_like_config(7, sizes=[8, 16, 32]), ring=True)
+    assert not seen and user.cudagraph_capture_sizes == [8, 16, 32]
+    capped, seen = set_sizes(_cuda_like_config(7, max_size=256), ring=True)
+    assert not seen and capped.max_cudagraph_capture_size == 256
+    # the token budget bounds the added sizes; a small max_num_seqs adds nothing
+    bounded, _ = set_sizes(_cuda_like_config(7, max_tokens=1024), ring=True)
+    assert bounded.max_cudagraph_capture_size == 1024
+    small, _ = set_sizes(_cuda_like_config(3, max_num_seqs=16), ring=True)
+    assert small.cudagraph_capture_sizes == set_sizes(_cuda_like_config(3, max_num_seqs=16), ring=False)[0] \
+        .cudagraph_capture_sizes
+    assert reference == set_sizes(_cuda_like_config(7), ring=False)[0].cudagraph_capture_sizes
