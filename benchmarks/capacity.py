@@ -539,8 +539,8 @@ def finish(cfg: dict, res: dict) -> dict:
 _GLOBAL_KEYS = ("gpu", "vllm", "within_budget", "budget_tolerance_gib", "acceptance_tolerance",
                 "config", "shape", "state_dtype", "mtp")
 # Issue 46 reads each T's capacity on the dense 9B shape and its throughput (with the acceptance
-# behind it) on the MoE shape, fp32 state: where runs share a T, these keys also appear untagged
-# by shape, from the run of that shape.
+# behind it) on the MoE shape, fp32 state: these keys are always tagged by shape, and appear
+# untagged only from the run of the shape named here.
 HEADLINE_SHAPE = {"capacity_ratio": "9b", "throughput_ratio": "moe", "acceptance_native": "moe",
                   "acceptance_ring": "moe"}
 

@@ -100,3 +100,22 @@ def test_native_mtp_plain_decode_and_the_users_sizes_keep_vllms(set_sizes, clean
     assert small.cudagraph_capture_sizes == set_sizes(_cuda_like_config(3, max_num_seqs=16), ring=False)[0] \
         .cudagraph_capture_sizes
     assert reference == set_sizes(_cuda_like_config(7), ring=False)[0].cudagraph_capture_sizes
+
+
+@pytest.mark.vllm
+def test_a_plan_that_cannot_be_drawn_keeps_vllms_sizes(monkeypatch, clean_patch_state, caplog):
+    pytest.importorskip("vllm")
+    from vllm.config.vllm import VllmConfig
+
+    from replayssm_patch import plan
+
+    def broken(vllm_config, options):
+        raise ValueError("no plan here")
+
+    monkeypatch.setattr(plan, "front_end_plan", broken)
+    config = _cuda_like_config(7)
+    with caplog.at_level("WARNING"):
+        graph_sizes.make_wrapper(VllmConfig._set_cudagraph_sizes)(config)
+    assert config.compilation_config.max_cudagraph_capture_size <= 512
+    assert "CUDA graph sizes kept, no plan drawn (ValueError: no plan here)" in caplog.text
+

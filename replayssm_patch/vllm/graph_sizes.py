@@ -49,7 +49,12 @@ def make_wrapper(native):
             return  # the user's sizes stand; or no graphs at all
         if not int(getattr(self.speculative_config, "num_speculative_tokens", 0) or 0):
             return
-        plan = front_end_plan(self, STATE.config)
+        try:
+            plan = front_end_plan(self, STATE.config)
+        except Exception as e:  # sizing graphs must never stop an engine from starting
+            STATE.log_once(logging.WARNING, f"replayssm_patch: vLLM's CUDA graph sizes kept, no plan drawn "
+                                            f"({type(e).__name__}: {e})")
+            return
         if plan is None or plan.geometry is None:
             return  # MTP stays native: vLLM's sizes fit the requests native holds
         query_len, before = self.uniform_decode_query_len, cc.max_cudagraph_capture_size
