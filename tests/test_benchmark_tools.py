@@ -461,7 +461,7 @@ def test_e2e_two_engines_on_vllm_cpu(tmp_path):
 def _cap_measure(tok_s, running, spec=None):
     return {"tok_s": tok_s, "tpot_ms_mean": 1e3 / tok_s, "tpot_ms_median": 1e3 / tok_s, "running_max": running,
             "running_mean": running / 2, "waiting_max": 0, "preemptions": 0, "host_probe_ms": 1.0,
-            "spec": spec or {}}
+            "spec": spec or {}, "wall_s": running / 10, "steps": 50}
 
 
 def _cap_result(mtp=3, state_dtype="float32", shape="9b", used=(30.0, 30.2), caps=(60.0, 142.0)):
@@ -476,7 +476,8 @@ def _cap_result(mtp=3, state_dtype="float32", shape="9b", used=(30.0, 30.2), cap
     cfg = {"shape": shape, "mtp": mtp, "state_dtype": state_dtype, "moe_layers": 40, "moe_experts": 256,
            "prefix_caching": not mtp, "echo_acceptance": 0.8 if mtp else None}
     engines = {name: {"max_concurrency": cap, "kv_cache_tokens": int(cap * 400), "gpu_used_by_engine_gib": u,
-                      "gpu_budget_gib": 30.0} for name, cap, u in zip(("native", "ring"), caps, used)}
+                      "gpu_budget_gib": 30.0, "cuda_graph_max_tokens": graphs}
+               for name, cap, u, graphs in zip(("native", "ring"), caps, used, (512, 1024))}
     return {"config": cfg, "engines": engines, "pairs": pairs, "gpu": "H100", "versions": {"vllm": "0.33.0"},
             "gpu_used_by_both_end_gib": sum(used)}
 
@@ -491,6 +492,7 @@ def test_capacity_summary_pairs_budget_and_acceptance():
     row = out["table"][120]
     assert row["pair_ratios"] == [1.5, 1.4, 1.7] and row["throughput_ratio"] == 1.5 and row["pair_orders"] == "ABA"
     assert row["throughput_ratio_min"] == 1.4 and row["x_native"] == 2.0 and row["ring_running_max"] == 120
+    assert row["native_step_ms"] == pytest.approx(120.0) and row["ring_step_ms"] == pytest.approx(240.0)
     s = out["summary"]
     assert s["config"] == "9b_fp32_t3" and s["capacity_ratio_t3"] == pytest.approx(142 / 60)
     assert s["throughput_ratio_t3"] == 1.5 and s["throughput_ratio_t3_at"] == {
@@ -499,6 +501,7 @@ def test_capacity_summary_pairs_budget_and_acceptance():
     assert s["acceptance_native"] == s["acceptance_ring"] == pytest.approx(1 / 3)
     assert s["acceptance_per_position_ring"] == pytest.approx([2 / 3, 1 / 3, 0.0]) and s["acceptance_equal"]
     assert s["within_budget"] is True and s["gpu"] == "H100" and s["vllm"] == "0.33.0"
+    assert s["cuda_graph_max_tokens_native"] == 512 and s["cuda_graph_max_tokens_ring"] == 1024
     over = _cap_result(used=(30.0, 30.3))  # 0.3 GiB over the ring engine's budget
     assert mod.finish(over["config"], over)["summary"]["within_budget"] is False
     # an engine's processes read by PID: within budget after the build, over it after a measurement
