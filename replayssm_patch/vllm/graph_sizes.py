@@ -45,10 +45,9 @@ def make_wrapper(native):
         cc = self.compilation_config
         user_sized = cc.cudagraph_capture_sizes is not None or cc.max_cudagraph_capture_size is not None
         native(self)
-        if user_sized or not cc.cudagraph_capture_sizes:
-            return  # the user's sizes stand; or no graphs at all
-        if not int(getattr(self.speculative_config, "num_speculative_tokens", 0) or 0):
-            return
+        query_len = self.uniform_decode_query_len  # 1 + the drafts per verify step
+        if user_sized or not cc.cudagraph_capture_sizes or query_len == 1:
+            return  # the user's sizes stand; or no graphs at all; or no MTP
         try:
             plan = front_end_plan(self, STATE.config)
         except Exception as e:  # sizing graphs must never stop an engine from starting
@@ -57,7 +56,7 @@ def make_wrapper(native):
             return
         if plan is None or plan.geometry is None:
             return  # MTP stays native: vLLM's sizes fit the requests native holds
-        query_len, before = self.uniform_decode_query_len, cc.max_cudagraph_capture_size
+        before = cc.max_cudagraph_capture_size
         sizes = widened_sizes(cc.cudagraph_capture_sizes, query_len, self.scheduler_config.max_num_seqs,
                               self.scheduler_config.max_num_batched_tokens)
         if sizes[-1] <= before:
