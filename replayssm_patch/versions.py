@@ -56,6 +56,10 @@ MTP_CUDA_MIN_VERSION = Version("0.32")  # the CUDA MTP routing is written for vL
 MRV2_ONLY_VERSION = Version("0.34")  # vLLM's V1 model runner is gone (and use_v2_model_runner with it)
 # vLLM's FlashInfer GDN prefill writes align-mode checkpoints inside a prefill chunk from here on
 GDN_PREFILL_CHECKPOINT_VERSION = Version("0.33")
+# MTP with prefix caching through the ring passed its GPU test against native in these releases
+# (tests/gpu/test_align_mtp_gpu.py, benchmarks/results/align_mtp_h100_2026-12-06/); elsewhere on CUDA
+# the plan keeps that combination native unless asked for
+ALIGN_MTP_CUDA_VALIDATED = (Version("0.33"),)
 CPU_OPS_VERSION = Version("0.34")  # the CPU build's kernel wrappers moved from vllm._custom_ops to vllm._cpu_ops
 
 

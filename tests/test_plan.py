@@ -160,11 +160,9 @@ def test_mtp_with_prefix_caching_takes_the_ring(on_cuda, monkeypatch):
     align = {"cache_config.mamba_cache_mode": "align"}
     ring = ReplayConfig(enable=True, allow_mtp="ring")
     monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "triton")
-    p = make_plan(mtp(3, **align), ring, memory_bytes=80 * GIB)
-    assert p.serves and p.spec_tokens == 3, p.reasons
-    # by default, native on CUDA until a GPU run validates it (an opt-in reason, not a refusal)
-    p = make_plan(mtp(3, **align), ON, memory_bytes=80 * GIB)
-    assert not p.serves and p.by_choice and any("not yet validated on CUDA" in r.text for r in p.reasons)
+    for options in (ring, ON):  # the default options too, on the release the GPU test validated (0.33)
+        p = make_plan(mtp(3, **align), options, memory_bytes=80 * GIB)
+        assert p.serves and p.spec_tokens == 3, p.reasons
     for over, why in (({"cache_config.mamba_block_size": 3}, "could cross two block boundaries"),
                       ({"cache_config.prefix_match_unit": 16}, "prefix_match_unit")):
         p = make_plan(mtp(3, **align, **over), ring, memory_bytes=80 * GIB)
@@ -192,6 +190,21 @@ def test_adaptive_verification_keeps_mtp_native(platform, request):
     from replayssm_patch.vllm.gdn_backend import ReplayGDNAttentionBackend
 
     assert ReplayGDNAttentionBackend.supports_device_cpu_query_lens_mismatch() is False
+
+
+def test_mtp_with_prefix_caching_stays_native_by_default_where_not_validated_on_cuda(on_cuda, monkeypatch):
+    """A release the align GPU test has not passed on: native by default (an opt-in reason naming
+    the validated releases), the ring when asked for."""
+    from replayssm_patch import versions
+
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "triton")
+    align = mtp(3, **{"cache_config.mamba_cache_mode": "align"})
+    p = make_plan(align, ON, memory_bytes=80 * GIB)
+    assert not p.serves and p.by_choice, p.reasons
+    assert any("validated on CUDA with vLLM 0.33" in r.text and "not with 0.34" in r.text for r in p.reasons), p.reasons
+    assert make_plan(align, ReplayConfig(enable=True, allow_mtp="ring"), memory_bytes=80 * GIB).serves
+    assert make_plan(mtp(3), ON, memory_bytes=80 * GIB).serves  # without prefix caching
 
 
 def test_mtp_on_cuda_needs_vllm_032(on_cuda, monkeypatch):
