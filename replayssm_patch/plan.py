@@ -307,14 +307,27 @@ def _plain_decision(vllm_config, config: ReplayConfig, geometry: RingGeometry, p
     if start is None:
         return None, [Reason(NOT_PAYING, f"plain decode stays native: the ring's predicted gain peaks at {best:.1%} "
                                          f"(batch {at}), below the {need:.0%} the plan asks for (payoff)")], ""
-    page = geometry.state_bytes_per_slot + facts.conv_bytes_per_slot
-    native_fit = payoff.requests_that_fit(facts, page)
-    ring_fit = payoff.requests_that_fit(facts, page + geometry.bytes_per_slot)
+    native_fit = payoff.requests_that_fit(facts, geometry.state_bytes_per_slot + facts.conv_bytes_per_slot)
+    ring_fit = _ring_requests_that_fit(facts, geometry)
     if ring_fit < facts.max_num_seqs:
         return None, [Reason(NOT_PAYING, f"plain decode stays native: with the ring's pages about {math.floor(ring_fit)} "
                                          f"requests of max_model_len={facts.max_model_len} tokens would fit (native "
                                          f"{math.floor(native_fit)}), fewer than max_num_seqs={facts.max_num_seqs}")], ""
     return start, [], f"predicted gain {best:.1%} at batch {at}, room for max_num_seqs with its pages (payoff)"
+
+
+def _ring_requests_that_fit(facts: payoff.ModelFacts, geometry: RingGeometry) -> float:
+    """payoff.requests_that_fit with the ring's pages: one state slot, its convolution state and its ring."""
+    return payoff.requests_that_fit(facts, geometry.state_bytes_per_slot + facts.conv_bytes_per_slot
+                                    + geometry.bytes_per_slot)
+
+
+def ring_requests_that_fit(vllm_config, plan: Plan, memory_bytes: int | None) -> float | None:
+    """About how many requests of max_model_len tokens an engine whose GDN layers are on the ring
+    holds (payoff's estimate; None without the GPU's memory or without the ring)."""
+    if memory_bytes is None or plan.geometry is None:
+        return None
+    return _ring_requests_that_fit(model_facts(vllm_config, plan.geometry, memory_bytes), plan.geometry)
 
 
 def make_plan(vllm_config, config: ReplayConfig, memory_bytes: int | None = None) -> Plan:
@@ -356,15 +369,19 @@ def make_plan(vllm_config, config: ReplayConfig, memory_bytes: int | None = None
     return Plan(platform, geometry, T, min_batch, kernel, rationale=why)
 
 
-def front_end_plan(vllm_config, config: ReplayConfig) -> Plan | None:
-    """The plan the workers will draw for `vllm_config` under `config`, drawn where the engine's
-    config is made (None: the model builds no Qwen GDN layer, so the package has nothing to do).
-    The GPU's memory comes from vLLM's platform, which reads it without initialising CUDA there."""
+def front_end_memory() -> int | None:
+    """The GPU's memory where the engine's config is made: vLLM's platform reads it without
+    initialising CUDA there (None off CUDA)."""
     from vllm.platforms import current_platform
 
+    return current_platform.get_device_total_memory(0) if current_platform.is_cuda() else None
+
+
+def front_end_plan(vllm_config, config: ReplayConfig) -> Plan | None:
+    """The plan the workers will draw for `vllm_config` under `config`, drawn where the engine's
+    config is made (None: the model builds no Qwen GDN layer, so the package has nothing to do)."""
     from .vllm.model_class import builds_qwen_gdn_layers
 
     if not builds_qwen_gdn_layers(vllm_config)[0]:
         return None
-    memory = current_platform.get_device_total_memory(0) if current_platform.is_cuda() else None
-    return make_plan(vllm_config, config, memory)
+    return make_plan(vllm_config, config, front_end_memory())

@@ -1,8 +1,8 @@
 """The CUDA graph sizes for MTP through the ring (replayssm_patch/vllm/graph_sizes.py): the verify
-batches of every request count up to max_num_seqs get a graph where the ring serves MTP and the
-user set no sizes; vLLM's own sizes otherwise. The wrapper runs around vLLM's real
-`VllmConfig._set_cudagraph_sizes` (the installed release's), on a config shaped as a CUDA
-engine's."""
+batches of every request count up to max_num_seqs (or up to what fits the engine's memory, with a
+margin) get a graph where the ring serves MTP and the user set no sizes; vLLM's own sizes
+otherwise. The wrapper runs around vLLM's real `VllmConfig._set_cudagraph_sizes` (the installed
+release's), on a config shaped as a CUDA engine's."""
 
 from __future__ import annotations
 
@@ -42,16 +42,23 @@ def _cuda_like_config(T: int, max_num_seqs: int = 256, max_tokens: int = 8192, s
         performance_mode="balanced")
 
 
+def test_graphed_requests_follow_what_fits():
+    assert graph_sizes.graphed_requests(512, None) == 512  # no estimate (no GPU memory read): max_num_seqs
+    assert graph_sizes.graphed_requests(512, 100.0) == 125  # the estimate, a quarter more
+    assert graph_sizes.graphed_requests(256, 300.0) == 256  # never above max_num_seqs
+    assert graph_sizes.graphed_requests(256, 0.0) == 1
+
+
 @pytest.fixture
 def set_sizes(monkeypatch):
     """vLLM's _set_cudagraph_sizes wrapped, with the front end's plan stubbed: `ring` says
-    whether it puts the GDN layers on the ring."""
+    whether it puts the GDN layers on the ring, `fit` how many requests it estimates fit."""
     pytest.importorskip("vllm")
     from vllm.config.vllm import VllmConfig
 
     from replayssm_patch import plan
 
-    def run(config, ring: bool):
+    def run(config, ring: bool, fit: float | None = None):
         seen = []
 
         def stub(vllm_config, options):
@@ -59,6 +66,7 @@ def set_sizes(monkeypatch):
             return types.SimpleNamespace(geometry=object() if ring else None)
 
         monkeypatch.setattr(plan, "front_end_plan", stub)
+        monkeypatch.setattr(plan, "ring_requests_that_fit", lambda vllm_config, p, memory: fit if ring else None)
         graph_sizes.make_wrapper(VllmConfig._set_cudagraph_sizes)(config)
         return config.compilation_config, seen
 
@@ -79,6 +87,20 @@ def test_ring_mtp_gets_graphs_for_every_request_count_it_may_run(set_sizes, clea
     assert added and all(s % 8 == 0 and s > default_max for s in added)
     assert {n * 8 for n in graph_sizes.request_grid(256)} <= set(cc.cudagraph_capture_sizes)
     assert "CUDA graphs for MTP verify steps of up to 256 requests (2048 tokens" in caplog.text
+
+
+@pytest.mark.vllm
+def test_graphs_stop_near_the_requests_that_fit(set_sizes, clean_patch_state, caplog):
+    """Graph memory comes out of the KV cache: where fewer requests than max_num_seqs fit, the
+    verify graphs stop at the estimate plus its margin."""
+    with caplog.at_level("INFO"):
+        cc, _ = set_sizes(_cuda_like_config(3, max_num_seqs=512), ring=True, fit=200.0)
+    assert cc.max_cudagraph_capture_size == 250 * 4
+    assert "up to 250 requests (1000 tokens" in caplog.text and "about 200 requests fit its memory" in caplog.text
+    # an estimate whose verify batches vLLM's own sizes already cover adds nothing
+    few, _ = set_sizes(_cuda_like_config(3, max_num_seqs=512), ring=True, fit=100.0)
+    assert few.cudagraph_capture_sizes == set_sizes(_cuda_like_config(3, max_num_seqs=512), ring=False)[0] \
+        .cudagraph_capture_sizes
 
 
 @pytest.mark.vllm

@@ -297,3 +297,32 @@ def test_plan_log_lines_and_strict_mode(on_cuda, monkeypatch, caplog, clean_patc
         gdn_layer.plan_for(mtp(3, lora_config=object()))
     STATE.config = ReplayConfig(enable=True, strict=True, allow_mtp="native")
     assert not gdn_layer.plan_for(mtp(3)).serves  # native by choice: never raised, even strict
+
+
+CAPACITY_RUNS = ("capacity_9b_h100_2026-12-06/capacity_t3.json", "capacity_9b_h100_2026-12-06/capacity_t7.json",
+                 "capacity_moe_h100_2026-12-06/capacity_t3.json", "capacity_moe_h100_2026-12-06/capacity_t7.json")
+
+
+@pytest.mark.parametrize("run", CAPACITY_RUNS)
+def test_ring_verify_graphs_cover_the_requests_measured_engines_held(run, on_cuda):
+    """graph_sizes stops the ring's verify graphs near payoff's estimate of the requests that fit:
+    on the configs of the GPU capacity runs (benchmarks/results/), the graphs it would add cover
+    every request count the ring engine held there (its maximum concurrency, within max_num_seqs)."""
+    import json
+    from pathlib import Path
+
+    from replayssm_patch.vllm.graph_sizes import graphed_requests
+
+    data = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / run).read_text())
+    cfg_run, ring = data["config"], data["engines"]["ring"]
+    hf = SimpleNamespace(**data["model_config"])
+    T, seqs = cfg_run["mtp"], cfg_run["max_num_seqs"] or 256
+    max_model_len = round(ring["kv_cache_tokens"] / ring["max_concurrency"])  # as vLLM's concurrency line counts it
+    cfg = mtp(T, **{"model_config.hf_text_config": hf, "model_config.max_model_len": max_model_len,
+                    "cache_config.gpu_memory_utilization": cfg_run["gpu_util"], "scheduler_config.max_num_seqs": seqs})
+    memory = int(ring["gpu_budget_gib"] / cfg_run["gpu_util"] * GIB)
+    p = make_plan(cfg, ON, memory_bytes=memory)
+    assert p.serves, p.reasons
+    fit = plan.ring_requests_that_fit(cfg, p, memory)
+    assert graphed_requests(seqs, fit) >= min(seqs, ring["max_concurrency"]), (fit, ring["max_concurrency"])
+    assert fit < 3 * ring["max_concurrency"]  # an estimate, not a bound that never binds

@@ -344,7 +344,7 @@ POINTS = (
         "wrap", "vllm.config.vllm", "VllmConfig._set_cudagraph_sizes", "replayssm_patch.vllm.graph_sizes:make_wrapper",
         platform="cuda",
         what="where MTP decodes through the ring and the user left the capture sizes unset, the uniform verify "
-             "batches up to max_num_seqs requests get CUDA graphs",
+             "batches up to max_num_seqs requests (or about as many as fit the engine's memory) get CUDA graphs",
         why="vLLM captures up to a fixed token ceiling sized for the requests native holds; the ring holds "
             "several times more, whose verify steps then ran eagerly",
         how="after vLLM sets its sizes: the verify sizes n*(1+T) added to its list, then vLLM's own "

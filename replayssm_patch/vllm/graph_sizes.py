@@ -9,15 +9,28 @@ engine's step time grew faster than its batch (benchmarks/results/capacity_moe_h
 
 Where the plan puts MTP on the ring and the user set neither `cudagraph_capture_sizes` nor
 `max_cudagraph_capture_size`, the sizes vLLM chose are kept and the uniform verify sizes n*(1+T)
-are added for a request grid up to `max_num_seqs` (1, 2, 4, then every 8 to 256, then every 16),
-within `max_num_batched_tokens`. vLLM's profiler counts the memory of the graphs it captures, so
-the engine stays within its budget.
+are added for a request grid (1, 2, 4, then every 8 to 256, then every 16) within
+`max_num_batched_tokens`, up to `max_num_seqs` or, where fewer requests fit the engine's memory,
+to the plan's estimate of those with a margin (`FIT_MARGIN`). vLLM's profiler counts the memory of
+the graphs it captures, and takes it from the KV cache: graphs for batches the engine can never
+hold would cost requests.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
+
+# payoff's estimate of the requests that fit is rough (it ignores vLLM's page padding); a quarter
+# more keeps the batches of an engine that holds more than estimated in graphs
+FIT_MARGIN = 1.25
+
+
+def graphed_requests(max_num_seqs: int, fit: float | None) -> int:
+    """The most requests whose verify batches get a graph: `max_num_seqs`, or fewer where about
+    `fit` requests fit the engine's memory."""
+    return max_num_seqs if fit is None else max(1, min(max_num_seqs, math.ceil(fit * FIT_MARGIN)))
 
 
 def request_grid(max_requests: int) -> list[int]:
@@ -39,7 +52,7 @@ def widened_sizes(sizes: list[int], query_len: int, max_requests: int, max_token
 def make_wrapper(native):
     @functools.wraps(native)
     def _set_cudagraph_sizes(self):
-        from ..plan import front_end_plan
+        from ..plan import front_end_memory, front_end_plan, ring_requests_that_fit
         from ..state import STATE
 
         cc = self.compilation_config
@@ -50,6 +63,7 @@ def make_wrapper(native):
             return  # the user's sizes stand; or no graphs at all; or no MTP
         try:
             plan = front_end_plan(self, STATE.config)
+            fit = None if plan is None else ring_requests_that_fit(self, plan, front_end_memory())
         except Exception as e:  # sizing graphs must never stop an engine from starting
             STATE.log_once(logging.WARNING, f"replayssm_patch: vLLM's CUDA graph sizes kept, no plan drawn "
                                             f"({type(e).__name__}: {e})")
@@ -57,15 +71,17 @@ def make_wrapper(native):
         if plan is None or plan.geometry is None:
             return  # MTP stays native: vLLM's sizes fit the requests native holds
         before = cc.max_cudagraph_capture_size
-        sizes = widened_sizes(cc.cudagraph_capture_sizes, query_len, self.scheduler_config.max_num_seqs,
+        requests = graphed_requests(self.scheduler_config.max_num_seqs, fit)
+        sizes = widened_sizes(cc.cudagraph_capture_sizes, query_len, requests,
                               self.scheduler_config.max_num_batched_tokens)
         if sizes[-1] <= before:
             return
         cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, sizes[-1]
         cc.post_init_cudagraph_sizes()  # vLLM's own finishing step, again with the wider list
-        STATE.log_once(logging.INFO, f"replayssm_patch: CUDA graphs for MTP verify steps of up to "
-                                     f"{sizes[-1] // query_len} requests ({sizes[-1]} tokens; vLLM's default "
-                                     f"stops at {before}): the ring holds more requests than native (set "
-                                     f"cudagraph_capture_sizes to choose the sizes yourself)")
+        fits = "" if fit is None else f", about {math.floor(fit)} requests fit its memory"
+        STATE.log_once(logging.INFO, f"replayssm_patch: CUDA graphs for MTP verify steps of up to {requests} "
+                                     f"requests ({sizes[-1]} tokens; vLLM's default stops at {before}; max_num_seqs "
+                                     f"{self.scheduler_config.max_num_seqs}{fits}): the ring holds more requests "
+                                     f"than native (set cudagraph_capture_sizes to choose the sizes yourself)")
 
     return _set_cudagraph_sizes
