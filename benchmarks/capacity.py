@@ -693,7 +693,7 @@ def stored_config(args) -> dict:
     return dict(cfg, prefix_caching=prefix_caching(args), echo_acceptance=echo_acceptance(args))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--shape", choices=("9b", "4b", "moe", "tiny"), default="9b")
@@ -724,7 +724,11 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--log", help=argparse.SUPPRESS)
     ap.add_argument("--pairs-out", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.merge:
         merged = merge(args.merge)
         if args.out:
