@@ -11,8 +11,9 @@ T=3, 8 prompts whose block boundaries fall at every offset of a verify window (t
 tokens each, then follow-ups served from the prefix cache and again after `reset_prefix_cache()`.
 vLLM's default config on CUDA with the Triton GDN prefill (the plan refuses the FlashInfer one
 with MTP under prefix caching). Two arms, each in its own process: native; patched
-(`allow_mtp="ring"`: by default the plan keeps this combination native on CUDA until this test
-passes; strict, poisoned rings).
+(`allow_mtp="ring"`, so that it runs on releases where the plan keeps this combination native by
+default: those not in `versions.ALIGN_MTP_CUDA_VALIDATED`, the releases this test passed on; strict,
+poisoned rings).
 
 Checked, each reported before any assertion: every GDN layer on the ring, with verify steps, align
 moves and rejected drafts; the patched tokens and cached follow-ups against native's, by the
