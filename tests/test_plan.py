@@ -155,8 +155,10 @@ def test_mtp_on_cuda_takes_the_ring_by_default(on_cuda):
 
 def test_mtp_with_prefix_caching_takes_the_ring(on_cuda, monkeypatch):
     """Align mode with MTP: served (the ring moves its own state between blocks) unless a block
-    could hold two boundaries of a window, prefix_match_unit allows hits inside a block, or vLLM's
-    FlashInfer GDN prefill writes checkpoints inside a chunk (each a typed reason)."""
+    could hold two boundaries of a window, prefix_match_unit allows hits inside a block, or the GDN
+    prefill backend is one the ring was not checked with (each a typed reason). Beside vLLM's
+    FlashInfer GDN prefill, which writes checkpoints inside a chunk, it serves when asked and stays
+    native by default until a GPU run validates it (an opt-in reason)."""
     align = {"cache_config.mamba_cache_mode": "align"}
     ring = ReplayConfig(enable=True, allow_mtp="ring")
     monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "triton")
@@ -168,8 +170,13 @@ def test_mtp_with_prefix_caching_takes_the_ring(on_cuda, monkeypatch):
         p = make_plan(mtp(3, **align, **over), ring, memory_bytes=80 * GIB)
         assert not p.serves and not p.by_choice and any(why in r.text for r in p.reasons), p.reasons
     monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "flashinfer")
+    assert make_plan(mtp(3, **align), ring, memory_bytes=80 * GIB).serves
+    p = make_plan(mtp(3, **align), ON, memory_bytes=80 * GIB)
+    assert not p.serves and p.by_choice, p.reasons
+    assert "FlashInfer GDN prefill" in p.reasons[0].text and "no release yet" in p.reasons[0].text
+    monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "cutedsl")
     p = make_plan(mtp(3, **align), ring, memory_bytes=80 * GIB)
-    assert not p.serves and any("flashinfer GDN prefill backend" in r.text for r in p.reasons), p.reasons
+    assert not p.serves and not p.by_choice and any("cutedsl GDN prefill backend" in r.text for r in p.reasons)
     assert make_plan(mtp(3), ON, memory_bytes=80 * GIB).serves  # without prefix caching: never asked
 
 

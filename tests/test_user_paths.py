@@ -240,6 +240,28 @@ def test_builder_recomputes_prefill_slots_per_kv_cache_group(monkeypatch):
     assert decodes_only.ring_prefill_slots is None and decodes_only.ring_prefill_flush_slots is None
 
 
+def test_prefill_checkpoint_blocks_empty_their_rings():
+    """vLLM >= 0.33's FlashInfer GDN prefill writes align-mode checkpoints into blocks inside a
+    chunk (`md.checkpoint.state_indices`; 0, the null block, for a row without one): the builder
+    adds them to the prefill slots whose rings empty after the core, so a cursor the block's
+    earlier owner left is never replayed onto the fresh checkpoint."""
+    from replayssm_patch.ops.materialize_reference import ring_reset_reference
+    from replayssm_patch.vllm.gdn_backend import ReplayGDNAttentionMetadataBuilder
+
+    md = SimpleNamespace(num_prefills=2, num_decodes=1, non_spec_state_indices_tensor=torch.tensor([1, 2, 3]),
+                         has_initial_state=torch.tensor([True, True, False]),
+                         checkpoint=SimpleNamespace(state_indices=torch.tensor([0, 7], dtype=torch.int32)))
+    out = ReplayGDNAttentionMetadataBuilder._prefill_slots(md, torch.zeros(3, dtype=torch.int8))
+    assert out["ring_prefill_slots"].tolist() == [2, 3, 0, 7]
+    assert out["ring_prefill_flush_slots"].tolist() == [2, 0]  # slot 3 starts without a state: nothing to flush
+    cursor = torch.tensor([5, 1, 2, 3, 4, 4, 4, 6, 1], dtype=torch.int32)
+    ring_reset_reference(cursor, out["ring_prefill_slots"])  # what the layer runs after the core
+    assert cursor.tolist() == [5, 1, 0, 0, 4, 4, 4, 0, 1]  # block 7 emptied, the null block untouched
+    del md.checkpoint  # vLLM < 0.33, or a prefill that writes none: the prefill slots alone
+    assert ReplayGDNAttentionMetadataBuilder._prefill_slots(md, torch.zeros(3, dtype=torch.int8))[
+        "ring_prefill_slots"].tolist() == [2, 3]
+
+
 def test_metrics_plan_info_says_ring_or_native_and_replaces_an_earlier_engines(clean_patch_state):
     """/metrics (vllm/metrics_info.py): the plan's labels, one series per engine, on vLLM's gauge
     class; a second engine in the same process replaces the first one's gauge."""

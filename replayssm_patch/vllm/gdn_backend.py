@@ -73,7 +73,7 @@ class ReplayGDNAttentionMetadata(GDNAttentionMetadata):
     ring_force_flush: torch.Tensor | None = None  # int8 [rows]: flush after this token
     ring_start_empty: torch.Tensor | None = None  # int8 [rows]: ignore the slot's cursor
     ring_prefill_flush_slots: torch.Tensor | None = None  # prefill slots to materialise first
-    ring_prefill_slots: torch.Tensor | None = None  # prefill slots whose ring empties after
+    ring_prefill_slots: torch.Tensor | None = None  # prefill (and checkpoint) slots: rings empty after
     ring_commit_slots: torch.Tensor | None = None  # MTP: non-spec rows' slots, commit first
     ring_commit_accepted: torch.Tensor | None = None  # MTP: their num_accepted_tokens
     ring_decode: bool = True  # this step's plain decode rows go through the ring (else native)
@@ -152,7 +152,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             carries = has_state & (empty[:n_p] == 0)
             pslots = slots[:n_p]
             out["ring_prefill_flush_slots"] = torch.where(carries, pslots, torch.zeros_like(pslots))
-            out["ring_prefill_slots"] = pslots
+            out["ring_prefill_slots"] = with_checkpoint_slots(pslots, md)
         return out
 
     def _ring_fields(self, m, md) -> dict:
@@ -175,13 +175,25 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         slots = md.non_spec_state_indices_tensor[nd : nd + n_p]
         carries_ring = md.has_initial_state[nd : nd + n_p] & (empty[nd : nd + n_p] == 0)
         return {"ring_prefill_flush_slots": torch.where(carries_ring, slots, torch.zeros_like(slots)),
-                "ring_prefill_slots": slots}
+                "ring_prefill_slots": with_checkpoint_slots(slots, md)}
 
     def update_block_table(self, metadata, blk_table, slot_mapping):
         """Another KV-cache group's metadata from this step's first (vLLM's V2 runner): vLLM
         re-gathers the state indices; the ring flags are batch-level and stay shared."""
         md = super().update_block_table(metadata, blk_table, slot_mapping)
         return replace(md, **self._prefill_slots(md, md.ring_start_empty))
+
+
+def with_checkpoint_slots(prefill_slots: torch.Tensor, md) -> torch.Tensor:
+    """`prefill_slots` and the blocks vLLM's FlashInfer GDN prefill writes checkpoints into this
+    step (vLLM >= 0.33, align mode: `md.checkpoint.state_indices`, NULL_BLOCK_ID 0 for a row
+    without one, which the ring's reset skips). Those blocks get a fresh state mid-chunk; a cursor
+    left there by the block's earlier owner would replay stale entries onto it when a request
+    later starts from the block, so their rings empty with the prefill slots'."""
+    checkpoint = getattr(md, "checkpoint", None)
+    if checkpoint is None:
+        return prefill_slots
+    return torch.cat([prefill_slots, checkpoint.state_indices.to(prefill_slots.dtype)])
 
 
 class ReplayGDNAttentionBackend(GDNAttentionBackend):

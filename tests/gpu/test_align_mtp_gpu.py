@@ -9,11 +9,11 @@ with frequent near-exact top-2 ties, where a GPU run against native can diverge 
 logits' last bit, as this test's first run did (benchmarks/results/align_mtp_h100_2026-12-06/).
 T=3, 8 prompts whose block boundaries fall at every offset of a verify window (twice), 190 greedy
 tokens each, then follow-ups served from the prefix cache and again after `reset_prefix_cache()`.
-vLLM's default config on CUDA with the Triton GDN prefill (the plan refuses the FlashInfer one
-with MTP under prefix caching). Two arms, each in its own process: native; patched
-(`allow_mtp="ring"`, so that it runs on releases where the plan keeps this combination native by
-default: those not in `versions.ALIGN_MTP_CUDA_VALIDATED`, the releases this test passed on; strict,
-poisoned rings).
+vLLM's default config on CUDA, once with the Triton GDN prefill and once with FlashInfer's (where
+FlashInfer is installed). Two arms, each in its own process: native; patched (`allow_mtp="ring"`,
+so that it runs where the plan keeps this combination native by default: the releases not in
+`versions.ALIGN_MTP_CUDA_VALIDATED` or, with FlashInfer's prefill,
+`ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED`, the releases this test passed on; strict, poisoned rings).
 
 Checked, each reported before any assertion: every GDN layer on the ring, with verify steps, align
 moves and rejected drafts; the patched tokens and cached follow-ups against native's, by the
@@ -47,12 +47,19 @@ ENGINE = dict(gpu_engines.ENGINE, max_num_seqs=8, disable_log_stats=False, enabl
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
 
 
-def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path):
+@pytest.mark.parametrize("prefill", ["triton", "flashinfer"])
+def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path, prefill):
+    """`prefill`: vLLM's GDN prefill backend in both arms. FlashInfer's (vLLM's default on Hopper)
+    writes align-mode checkpoints into blocks inside a chunk from vLLM 0.33, whose rings the ring
+    then empties (gdn_backend.with_checkpoint_slots)."""
     from vllm.engine.arg_utils import EngineArgs
+
+    if prefill == "flashinfer":
+        pytest.importorskip("flashinfer", reason="vLLM's FlashInfer GDN prefill needs FlashInfer")
 
     model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5", mtp_layers=1, echo_drafts=True,
                                  **DECISIVE, **SMALL_BLOCKS))
-    engine = dict(ENGINE)
+    engine = dict(ENGINE, gdn_prefill_backend=prefill)
     if "prefix_cache_retention_interval" in EngineArgs.__dataclass_fields__:
         engine["prefix_cache_retention_interval"] = None  # keep the blocks completed while decoding
     rng = random.Random(7)
