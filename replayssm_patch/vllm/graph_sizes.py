@@ -79,8 +79,8 @@ def make_wrapper(native):
         cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, sizes[-1]
         cc.post_init_cudagraph_sizes()  # vLLM's own finishing step, again with the wider list
         fits = "" if fit is None else f", about {math.floor(fit)} requests fit its memory"
-        STATE.log_once(logging.INFO, f"replayssm_patch: CUDA graphs for MTP verify steps of up to {requests} "
-                                     f"requests ({sizes[-1]} tokens; vLLM's default stops at {before}; max_num_seqs "
+        STATE.log_once(logging.INFO, f"replayssm_patch: CUDA graphs for MTP verify steps of up to "
+                                     f"{sizes[-1] // query_len} requests ({sizes[-1]} tokens; vLLM's default stops at {before}; max_num_seqs "
                                      f"{self.scheduler_config.max_num_seqs}{fits}): the ring holds more requests "
                                      f"than native (set cudagraph_capture_sizes to choose the sizes yourself)")
 
