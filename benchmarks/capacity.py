@@ -122,11 +122,16 @@ def model_config(args) -> dict:
     return cfg
 
 
+def mode_prefix_caching(mtp: int) -> bool:
+    """This script's default prefix caching: vLLM's (on) for plain decode, off with MTP (the docstring)."""
+    return not mtp
+
+
 def prefix_caching(args) -> bool:
-    """--prefix-caching, or by default vLLM's (on) for plain decode and off with MTP (the docstring)."""
+    """--prefix-caching, or the mode's default (mode_prefix_caching)."""
     if args.prefix_caching is not None:
         return args.prefix_caching == "on"
-    return not args.mtp
+    return mode_prefix_caching(args.mtp)
 
 
 def echo_acceptance(args) -> float | None:
@@ -152,7 +157,7 @@ def config_tag(mtp: int) -> str:
 
 def default_prefix_caching(cfg: dict) -> bool:
     """Whether the run kept this script's default prefix caching for its mode (prefix_caching())."""
-    return cfg.get("prefix_caching", not cfg["mtp"]) == (not cfg["mtp"])
+    return cfg.get("prefix_caching", mode_prefix_caching(cfg["mtp"])) == mode_prefix_caching(cfg["mtp"])
 
 
 def config_label(cfg: dict) -> str:
