@@ -23,7 +23,8 @@ GDN 2 key heads / 4 value heads of ``gdn_head_dim`` (128 or 64; vLLM's CPU GDN k
 * ``arch="qwen4_exp"``: ``Qwen4ExpForCausalLM`` (model_type ``qwen4_exp_text``), what vLLM's
   Qwen4Exp class builds: GDN layers beside plain attention (no QSA indexer: vLLM then builds
   Qwen3-Next attention), every layer MoE (4 experts, top 2, a shared expert), two hyper-connection
-  streams of rank 32, output gate silu; with ``ple_layer_ids=[i, ...]`` (one-indexed GDN layers)
+  streams of rank 30 (rank + streams a multiple of 16: vLLM 0.34 pads the merged down/inject
+  projection to 16 rows and refuses a checkpoint without the padding rows), output gate silu; with ``ple_layer_ids=[i, ...]`` (one-indexed GDN layers)
   also its per-layer n-gram embeddings (PLE: n-gram size 3, 2 heads per n-gram, 64 dims, hashed
   vocabularies from 2000) and their short convolution. transformers builds the attention only
   with a QSA indexer, so the weights are drawn with a one-head indexer whose tensors are then
@@ -163,7 +164,7 @@ def tiny_model_config(
     if arch == "qwen4_exp":
         del cfg["intermediate_size"]
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                   shared_expert_intermediate_size=128, output_gate_type="silu", hc_count=2, hc_lowrank=32,
+                   shared_expert_intermediate_size=128, output_gate_type="silu", hc_count=2, hc_lowrank=30,
                    ple_layer_ids=[], ple_embed_dim=64, ngram_size=3, heads_per_ngram=2,
                    ngram_vocab_size_base=2000, split_ngram_parts=1)
     if mtp_layers:
