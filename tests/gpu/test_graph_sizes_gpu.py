@@ -1,8 +1,8 @@
 """The ring's verify graph sizes on a real CUDA engine config (replayssm_patch/vllm/graph_sizes.py):
 vLLM's `EngineArgs.create_engine_config` for the capacity benchmark's 9B shape with MTP, no engine
 started. With `patch()`, the GPU's memory is read in this (front-end) process, the plan estimates
-the requests that fit, and the capture sizes end at the verify batch of `graphed_requests` of them;
-unpatched, vLLM's own sizes stand.
+the requests that fit, and the capture sizes end at the verify batch of `graphed_requests` of them
+(from vLLM 0.34 also its decode request counts); unpatched, vLLM's own sizes stand.
 
 vLLM >= 0.32 on CUDA (`bash benchmarks/gpu_run.sh ktest` with KTESTS naming this file); skipped elsewhere.
 """
@@ -65,5 +65,9 @@ def test_verify_graphs_end_at_the_requests_that_fit(tmp_path, clean_patch_state,
     expected = max(n * query_len for n in graph_sizes.request_grid(requests)
                    if n * query_len <= config.scheduler_config.max_num_batched_tokens)
     assert cc.max_cudagraph_capture_size == max(expected, native.max_cudagraph_capture_size)
+    if hasattr(cc, graph_sizes.DECODE_REQUESTS) and expected > native.max_cudagraph_capture_size:
+        # vLLM 0.34+: the verify graphs are captured by these request counts, not by the token list
+        assert cc.max_decode_cudagraph_capture_requests == requests
+        assert requests in cc.decode_cudagraph_capture_request_sizes
     if expected > native.max_cudagraph_capture_size:
         assert f"up to {requests} requests" in logged and "requests fit its memory" in logged
