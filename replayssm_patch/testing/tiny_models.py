@@ -24,9 +24,10 @@ GDN 2 key heads / 4 value heads of ``gdn_head_dim`` (128 or 64; vLLM's CPU GDN k
   Qwen4Exp class builds: GDN layers beside plain attention (no QSA indexer: vLLM then builds
   Qwen3-Next attention), every layer MoE (4 experts, top 2, a shared expert), two hyper-connection
   streams of rank 30 (rank + streams a multiple of 16: vLLM 0.34 pads the merged down/inject
-  projection to 16 rows and refuses a checkpoint without the padding rows), output gate silu; with ``ple_layer_ids=[i, ...]`` (one-indexed GDN layers)
-  also its per-layer n-gram embeddings (PLE: n-gram size 3, 2 heads per n-gram, 64 dims, hashed
-  vocabularies from 2000) and their short convolution. transformers builds the attention only
+  projection to 16 rows and refuses a checkpoint without the padding rows), output gate silu;
+  with ``ple_layer_ids=[i, ...]`` (one-indexed GDN layers) also its per-layer n-gram embeddings
+  (PLE: n-gram size 3, 2 heads per n-gram, 64 dims, hashed vocabularies from 2000) and their
+  short convolution. transformers builds the attention only
   with a QSA indexer, so the weights are drawn with a one-head indexer whose tensors are then
   left out, as its fields are of config.json.
 * ``arch="qwen3_5_vl"`` / ``"qwen3_5_moe_vl"``: ``Qwen3_5ForConditionalGeneration`` /
