@@ -88,6 +88,8 @@
 # unless started in a new session: `bg` starts a step that outlives its call, `jobs` waits for
 # the started steps (or for SECONDS) and packs their output into $OUT/jobs.tgz:
 #   bash benchmarks/gpu_run.sh bg NAME GPUS STEP|SCRIPT [ARGS]   # e.g. bg mtp 0 mtp; bg tp 0,1 tp2
+#   bash benchmarks/gpu_run.sh steps STEP [STEP ...]            # steps in turn, each whatever the last did,
+#     e.g. bg all 0 steps v034 qwen4exp v034e2e (the environment, e.g. TS=7, reaches every step)
 #   bash benchmarks/gpu_run.sh jobs SECONDS
 #
 # Kernel-only steps need no install, just vLLM's .py files for the native kernel (a tarball of
@@ -269,6 +271,10 @@ print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):'
     cp /tmp/tp2/*.log "$OUT/" 2>/dev/null || true
     python3 benchmarks/e2e_decode.py --tp 2 --gdn-heads 16,48 --batches 64,256 --pairs 3 \
       --cudagraph-mode FULL_DECODE_ONLY --compile-mode 0 --out "$OUT/e2e_decode_tp2.json" 2>&1 | tail -20 || rc=1
+    exit $rc ;;
+  steps)
+    shift; rc=0
+    for step in "$@"; do echo "== step $step"; bash benchmarks/gpu_run.sh "$step" || rc=1; done
     exit $rc ;;
   bg)
     name=${2:?name}; gpus=${3:?gpus}; shift 3
