@@ -213,6 +213,13 @@ def arm_env(workdir, mp: bool, extra=None) -> dict:
     return env
 
 
+def portable_cpu_conv_env() -> dict:
+    """`extra_env` for an arm whose vLLM-CPU processes take the portable GDN conv path on every host
+    (why: portable_cpu_conv/sitecustomize.py)."""
+    folder = str(Path(__file__).parent / "portable_cpu_conv")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
+
+
 def run_arm(workdir, name: str, spec: dict, mp: bool = False, extra_env=None) -> tuple[dict, str]:
     """Run `spec` in a fresh process (`python -m replayssm_patch.testing.engine_runner`); returns
     its result and its log (stdout then stderr: `workdir/name.out.log` and `name.err.log`,

@@ -65,9 +65,10 @@ def deviation(ref: list[torch.Tensor], other: list[torch.Tensor], tokens: list[l
 
 
 def compare_arms(models: dict[str, str], prompts: list[list[int]], tokens: int, engine: dict, workdir,
-                 ring_lens=(16, 1), greedy: bool = False) -> dict:
+                 ring_lens=(16, 1), greedy: bool = False, extra_env=None) -> dict:
     """models: name -> checkpoint path. Returns per model {"forced": {arm: ForcedDeviation as a
-    dict}, "greedy": {arm: agreement summary} (with `greedy`), "ring_counters": {arm: counters}}."""
+    dict}, "greedy": {arm: agreement summary} (with `greedy`), "ring_counters": {arm: counters}}.
+    `extra_env`: added to every arm's environment (engine_runner.run_arm)."""
     work = Path(workdir)
 
     def save(model, arm):
@@ -87,7 +88,7 @@ def compare_arms(models: dict[str, str], prompts: list[list[int]], tokens: int, 
                    eng(m, "native_b1", {"tokens_from": f"{m}/native"}, max_num_seqs=1)]
         if greedy:
             native.append(eng(m, "native_b1_greedy", max_num_seqs=1))
-    res, _ = run_arm(work, "native", {"model": first, "patched": False, "engines": native})
+    res, _ = run_arm(work, "native", {"model": first, "patched": False, "engines": native}, extra_env=extra_env)
     forced_tokens = {m: [r["tokens"] for r in res[f"{m}/native"]["requests"]] for m in models}
     out = {m: {"forced": {}, "greedy": {}, "ring_counters": {}} for m in models}
     for m in models:
@@ -101,7 +102,8 @@ def compare_arms(models: dict[str, str], prompts: list[list[int]], tokens: int, 
             engines.append(eng(m, arm, {"tokens": forced_tokens[m]}))
             if greedy:
                 engines.append(eng(m, f"{arm}_greedy"))
-        ring, _ = run_arm(work, arm, {"model": first, "patched": True, "ring_len": L, "engines": engines})
+        ring, _ = run_arm(work, arm, {"model": first, "patched": True, "ring_len": L, "engines": engines},
+                          extra_env=extra_env)
         bad = {k: v for k, v in ring["_status"]["layers"].items() if v != "ring"}
         if bad:
             raise AssertionError(f"layers not on the ring: {bad}")
