@@ -132,6 +132,11 @@ FI_PATH=$FI:$FI/nvidia_cutlass_dsl/dsl_packages  # cutlass's dir: its wheel adds
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 [ -d $FI ] && export PYTHONPATH=$PYTHONPATH:$FI_PATH
 export NCCL_NVLS_ENABLE=0 VLLM_CACHE_ROOT=/tmp/vllm-cache
+copy_test_logs() {  # the arms' logs of pytest's tests under basetemp $1, to $OUT named by their test's folder
+  for f in "$1"/*/*.log; do
+    if [ -e "$f" ]; then cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"; fi
+  done
+}
 case "${1:?step}" in
   stage)
     mkdir -p $B/parts $B/deps $B/fi; src=${BUNDLE:-.bundle}
@@ -237,20 +242,18 @@ print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):'
   alignmtp)  # issue 46 (see the header)
     python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/alignmtp tests/gpu/test_align_mtp_gpu.py 2>&1 \
       | tee "$OUT/alignmtp.log" | tail -15; rc=${PIPESTATUS[0]}
-    for f in /tmp/alignmtp/*/*.log; do  # each prefill backend's arms, named by their test's folder
-      [ -e "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
-    done
+    copy_test_logs /tmp/alignmtp  # each prefill backend's arms
     exit $rc ;;
   v034)  # issue 47 (see the header)
     rc=0; export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}
     # engines one at a time (vLLM's memory profile fails when another process frees GPU memory meanwhile)
     python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/v034engines tests/gpu/test_rebind_gpu.py \
       tests/gpu/test_align_mtp_gpu.py tests/gpu/test_graph_sizes_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15 || rc=1
-    for f in /tmp/v034engines/*/*.log; do [ -e "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"; done
+    copy_test_logs /tmp/v034engines
     bash benchmarks/gpu_run.sh agree || rc=1
-    RING_KERNEL_GPU_REPORT="$OUT/gpu_test_errors.jsonl" python3 -m pytest -q -n 8 tests/gpu --ignore=tests/gpu/test_rebind_gpu.py \
-      --ignore=tests/gpu/test_align_mtp_gpu.py --ignore=tests/gpu/test_graph_sizes_gpu.py \
-      --ignore=tests/gpu/test_qwen4exp_gpu.py 2>&1 | tee "$OUT/ktest_full.log" | tail -15 || rc=1
+    KTESTS="tests/gpu --ignore=tests/gpu/test_rebind_gpu.py --ignore=tests/gpu/test_align_mtp_gpu.py
+      --ignore=tests/gpu/test_graph_sizes_gpu.py --ignore=tests/gpu/test_qwen4exp_gpu.py" \
+      bash benchmarks/gpu_run.sh ktest || rc=1
     exit $rc ;;
   v034e2e)  # issue 47 (see the header)
     rc=0; export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}
