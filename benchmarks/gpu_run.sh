@@ -69,8 +69,10 @@
 #     in the parts of `benchmarks/make_flashinfer_bundle.sh .bundle034`; each staging call carries at most ~55 MB
 #     beside the tree, so the deps travel alone): the engine tests one at a time (tests/gpu/test_rebind_gpu.py: the
 #     cursor across the extensible cache's rebind after capture, and the old bind caught; test_align_mtp_gpu.py;
-#     test_graph_sizes_gpu.py), the agreement run (as `agree`), then the kernel tests (-n 8), to $OUT/engine_tests.log
-#     + the arms' logs, $OUT/e2e_agreement_decisive.json + logs, $OUT/ktest_full.log. About 15 minutes.
+#     test_graph_sizes_gpu.py), then the agreement run (as `agree`), to $OUT/engine_tests.log + the arms' logs,
+#     $OUT/e2e_agreement_decisive.json + logs. About 10 minutes.
+#   bash benchmarks/gpu_run.sh v034k           # issue 47: the kernel tests (tests/gpu less the engine tests, -n 8;
+#     after the engine tests, never beside them), to $OUT/ktest_full.log. About 6 minutes.
 #   bash benchmarks/gpu_run.sh v034e2e         # issue 47, then: e2e_decode.py in vLLM's default config
 #     (no compilation arguments), 9B shape, fp32 state, plain decode at batches $BATCHES (default
 #     64,256) and MTP T=3 at 64, 3 pairs each, to $OUT/e2e_decode_v034_{plain,mtp3}.json + the engines' logs
@@ -89,7 +91,7 @@
 # the started steps (or for SECONDS) and packs their output into $OUT/jobs.tgz:
 #   bash benchmarks/gpu_run.sh bg NAME GPUS STEP|SCRIPT [ARGS]   # e.g. bg mtp 0 mtp; bg tp 0,1 tp2
 #   bash benchmarks/gpu_run.sh steps STEP [STEP ...]            # steps in turn, each whatever the last did,
-#     e.g. bg all 0 steps v034 qwen4exp v034e2e (the environment, e.g. TS=7, reaches every step)
+#     e.g. bg all 0 steps v034 qwen4exp v034k v034e2e (the environment, e.g. TS=7, reaches every step)
 #   bash benchmarks/gpu_run.sh jobs SECONDS
 #
 # Kernel-only steps need no install, just vLLM's .py files for the native kernel (a tarball of
@@ -251,10 +253,11 @@ print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):'
       tests/gpu/test_align_mtp_gpu.py tests/gpu/test_graph_sizes_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15 || rc=1
     copy_test_logs /tmp/v034engines
     bash benchmarks/gpu_run.sh agree || rc=1
+    exit $rc ;;
+  v034k)  # issue 47 (see the header)
     KTESTS="tests/gpu --ignore=tests/gpu/test_rebind_gpu.py --ignore=tests/gpu/test_align_mtp_gpu.py
       --ignore=tests/gpu/test_graph_sizes_gpu.py --ignore=tests/gpu/test_qwen4exp_gpu.py" \
-      bash benchmarks/gpu_run.sh ktest || rc=1
-    exit $rc ;;
+      bash benchmarks/gpu_run.sh ktest ;;
   v034e2e)  # issue 47 (see the header)
     rc=0; export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}
     for run in plain mtp3; do
