@@ -24,7 +24,8 @@ def patch(enable: bool = True, **options) -> dict:
     Keywords are ReplayConfig's fields (ring_len, min_batch, allow_mtp, ring_dtype, mtp_kernel,
     strict; README "Options" gives their accepted values); an unknown keyword or a bad value raises
     OptionError naming it, before anything changes. Where the ring serves by default is the plan's
-    decision (replayssm_patch.plan): MTP on CUDA, plain decode where its rule predicts a gain.
+    decision (replayssm_patch.plan): MTP on CUDA on the releases a GPU run validated, plain decode
+    where its rule predicts a gain.
 
     Returns a report: whether it applied, what was patched, and every reason it did not.
     """

