@@ -2,7 +2,7 @@
 
 A small random-weight Qwen3.5 model, runner V2 (vLLM's default), CUDA graphs on
 (FULL_AND_PIECEWISE, vLLM's default for hybrid models), prefix caching on (align), 32
-requests x 256 tokens, SSM state fp32 and bf16. Each arm runs in its own process
+requests x 256 tokens, SSM state fp32 and bf16. Each engine of each arm runs in its own process
 (replayssm_patch.testing.engine_runner); the result JSON holds both arms' tokens, the
 agreement by the project's criterion and, per SSM state, a native-vs-native control (the
 same engine with max_num_seqs=8): how often native disagrees with itself at near ties.
@@ -168,6 +168,16 @@ def mtp_report(T: int, nat: dict, pat: dict, agreement, on_cuda: bool) -> tuple[
 
 
 def run_arm(spec: dict, workdir: str, name: str, env: dict) -> dict:
+    """One arm: each engine in a process of its own (`<name>_<engine>.log` in `workdir`), the
+    results merged. One engine a process: vLLM 0.34 on a torch other than its own cannot capture a
+    second engine's CUDA graphs in the process of a first (benchmarks/results/vllm034/README.md)."""
+    merged = {}
+    for eng in spec["engines"]:
+        merged.update(_run_engine(dict(spec, engines=[eng]), workdir, f"{name}_{eng['name']}", env))
+    return merged
+
+
+def _run_engine(spec: dict, workdir: str, name: str, env: dict) -> dict:
     path = os.path.join(workdir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
@@ -187,7 +197,7 @@ def main() -> None:
                     help="result JSON (default: e2e_agreement_<tag>.json, or e2e_agreement.json without --tag)")
     ap.add_argument("--tag", default="",
                     help="name of this run: recorded in the JSON and printed lines, names the default --out "
-                         "and prefixes the arm files in --workdir (<tag>_native.log, ...), so several runs "
+                         "and prefixes the arm files in --workdir (<tag>_native_<state>.log, ...), so several runs "
                          "can share one workdir and output folder")
     ap.add_argument("--checkpoint", choices=sorted(CHECKPOINTS), default="decisive",
                     help="decisive (default): build_tiny_model(..., **DECISIVE) as in the CPU integration "
@@ -302,7 +312,6 @@ def main() -> None:
           + (f", MTP T={args.mtp}, prefix caching off" if args.mtp else "")
           + (f", TP={args.tp}, GDN heads {heads or (2, 4)}" if args.tp > 1 or heads else ""), flush=True)
     mtp_failed, tp_failed = [], []
-    patched_log = open(os.path.join(workdir, f"{prefix}patched.log")).read() if args.tp > 1 else ""
     for state in states:
         ag = compare(native[state]["requests"], patched[state]["requests"])
         entry = {"patched_vs_native": ag.summary(), "identical_fraction": ag.identical_fraction,
@@ -332,6 +341,7 @@ def main() -> None:
             if not entry["mtp"]["checks_passed"]:
                 mtp_failed.append(state)
         if args.tp > 1:
+            patched_log = open(os.path.join(workdir, f"{prefix}patched_{state}.log")).read()
             entry["tensor_parallel"], failed = rank_report(args.tp, patched_log, native[state], patched[state])
             print(f"{label}[{state} state] TP={args.tp}: " + "; ".join(
                 f"rank {x['rank']}: {x['gdn_layers_on_ring']}/{x['gdn_layers']} GDN layers on the ring, "

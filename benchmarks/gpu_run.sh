@@ -78,8 +78,9 @@
 #     64,256) and MTP T=3 at 64, 3 pairs each, to $OUT/e2e_decode_v034_{plain,mtp3}.json + the engines' logs
 #   Both 0.34 steps turn vLLM's breakable CUDA graphs off (VLLM_USE_BREAKABLE_CUDAGRAPH=0 unless set): vLLM 0.34 is
 #     built for torch 2.14, and on the host's torch 2.11 its breakable capture (0.34's default for Qwen3.5 on CUDA)
-#     stops native vLLM at an allocator assertion (benchmarks/results/vllm034/README.md). Engines there run
-#     torch.compile with FULL_AND_PIECEWISE graphs, 0.34's path for the other models.
+#     stops native vLLM at an allocator assertion (benchmarks/results/vllm034/README.md). vLLM then runs its CUDA
+#     Qwen3.5 and Qwen4Exp classes (not torch-compiled) with FULL_DECODE_ONLY graphs, the GDN kernels inside the
+#     decode graphs. The same assertion stops a second 0.34 engine's capture in one process: one engine a process.
 #
 #   bash benchmarks/gpu_run.sh tp2             # issue 7 on two GPUs (needs install): e2e_agreement.py
 #     --tp 2 --gdn-heads 16,48 (32 x 256, fp32 SSM state, graphs on, prefix caching on, native
@@ -268,6 +269,7 @@ print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):'
     done
     exit $rc ;;
   qwen4exp)
+    export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}  # vLLM 0.34 (see v034 above)
     python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/q4 tests/gpu/test_qwen4exp_gpu.py 2>&1 \
       | tee "$OUT/qwen4exp.log" | tail -20 ;;
   tp2)

@@ -1,7 +1,10 @@
 """vLLM 0.34's extensible KV cache rebinds every layer after CUDA-graph capture (fewer blocks,
 same addresses). The ring's cursor must keep the address the graphs captured; this runs it.
 
-A tiny decisive Qwen3.5 checkpoint, 8 requests x 64 greedy tokens, prefix caching on, the
+A tiny decisive Qwen3.5 checkpoint, 24 requests of 16-64 greedy tokens through 8 sequences (so
+requests arrive while others decode: those mixed steps run eagerly, beside graph-replayed decode
+steps, and each reads the cursor through the layer; with 8 requests all admitted at once, every
+decode step ran in a graph and the old bind went unseen on the H100), prefix caching on, the
 extensible cache on, CUDA graphs with the GDN kernels inside them (breakable graphs off: with
 them, vLLM 0.34's default for Qwen3.5, the GDN core runs eagerly between graph pieces and no
 graph holds the cursor). Each arm in its own process, the engine in it
@@ -31,7 +34,8 @@ from replayssm_patch.testing.engine_runner import run_arm  # noqa: E402
 from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model  # noqa: E402
 
 RING = 8
-TOKENS = 64
+REQUESTS = 24
+MIN_TOKENS, MAX_TOKENS = 16, 64
 ENGINE = dict(gpu_engines.ENGINE, max_num_seqs=8, enable_prefix_caching=True, enable_extensible_kv_cache=True,
               compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
 GRAPHS_WITH_GDN = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}
@@ -40,8 +44,9 @@ GRAPHS_WITH_GDN = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}
 def test_cursor_survives_the_rebind_after_capture(tmp_path):
     model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5", **DECISIVE))
     rng = random.Random(34)
-    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 120))] for _ in range(8)]
-    engines = [{"name": "q35", "engine": ENGINE, "prompts": prompts, "max_tokens": [TOKENS] * len(prompts)}]
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 120))] for _ in range(REQUESTS)]
+    max_tokens = [rng.randrange(MIN_TOKENS, MAX_TOKENS + 1) for _ in prompts]
+    engines = [{"name": "q35", "engine": ENGINE, "prompts": prompts, "max_tokens": max_tokens}]
     patched_spec = {"model": model, "patched": True, "ring_len": RING, "min_batch": 1, "engines": engines}
     native, _ = run_arm(tmp_path, "native", {"model": model, "patched": False, "engines": engines},
                         extra_env=GRAPHS_WITH_GDN)
