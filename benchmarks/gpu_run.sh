@@ -110,7 +110,8 @@
 #     $OUT/ncu_STATE_bBATCH_LAUNCH.txt (needs vltree)
 #   bash benchmarks/gpu_run.sh fiinstall  # unpack FlashInfer + CuTe DSL (.bundle/fi/flashinfer.tar.xz.NN from
 #     benchmarks/make_flashinfer_bundle.sh, staged like the vLLM parts) to /tmp/fi-site, which every
-#     step then finds on PYTHONPATH; `kbench --flashinfer` times it beside ours and vLLM's
+#     step then finds on PYTHONPATH; `kbench --flashinfer` times it beside ours and vLLM's. Exits 1 where
+#     the installed vLLM is 0.34 or later and quack is missing (parts built before the script packed it)
 #   bash benchmarks/gpu_run.sh mtp16 agree|decode [triton|flashinfer]   # (needs install; fiinstall for
 #     flashinfer) MTP T=3 with a bf16 SSM state, the patched arm's verify kernel as named (default triton):
 #     agree: e2e_agreement.py on the MTP checkpoint (16 x 128, native control on) to
@@ -153,8 +154,16 @@ case "${1:?step}" in
     PYTHONPATH=$PYTHONPATH:$FI_PATH python3 -c \
       "import cutlass.cute, flashinfer.gdn_decode as g, flashinfer.norm as n, torch, importlib.util as u
 print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):', n._use_cuda_norm(torch.device('cuda')),
-      '; quack', 'found' if u.find_spec('quack') else 'missing (vLLM 0.34 needs it)')" \
-      2>&1 | tail -3 ;;
+      '; quack', 'found' if u.find_spec('quack') else 'missing (vLLM 0.34 needs it)')
+# a vLLM >= 0.34 engine stops at its kernel warmup without quack: fail here (fiinstall && bg ...), not
+# in every engine of a chain
+try:
+    import vllm, packaging.version as pv
+    needs_quack = pv.Version(vllm.__version__).release >= (0, 34)
+except Exception:  # vLLM not installed yet
+    needs_quack = False
+raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
+      2>&1 | tail -3; exit "${PIPESTATUS[0]}" ;;
   install)
     bash $B/install_bundle.sh $B/parts $B/deps $SITE
     python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
