@@ -242,28 +242,25 @@ def _cuda_opt_in(align: bool, prefill: str | None) -> list[Reason]:
     the verify path against native (e2e_agreement.py --mtp), and with prefix caching the align
     path (tests/gpu/test_align_mtp_gpu.py) per GDN prefill backend (`prefill`: checkpointing_prefill's
     answer); the releases are in versions.py."""
+    align_test = "tests/gpu/test_align_mtp_gpu.py"
+    # (releases validated, what, the run that validates it, what else serves it), checked in turn
+    checks = [(versions.MTP_CUDA_VALIDATED, "MTP through the ring", "e2e_agreement.py --mtp", None)]
+    if align and prefill == "flashinfer":
+        checks.append((versions.ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED,
+                       "MTP with prefix caching through the ring beside vLLM's FlashInfer GDN prefill (the ring "
+                       "empties the blocks it writes checkpoints into)", align_test,
+                       "or gdn_prefill_backend='triton' in additional_config, or disable prefix caching"))
+    elif align:
+        checks.append((versions.ALIGN_MTP_CUDA_VALIDATED, "MTP with prefix caching through the ring", align_test,
+                       "or disable prefix caching"))
     version = versions.capabilities().version
-    if version not in versions.MTP_CUDA_VALIDATED:
-        where = ", ".join(str(v) for v in versions.MTP_CUDA_VALIDATED)
-        return [Reason(OPT_IN, f"MTP through the ring is validated on CUDA with vLLM {where} (e2e_agreement.py "
-                               f"--mtp), not with {version}: by default it stays native; allow_mtp / "
-                               "VLLM_GDN_REPLAYSSM_MTP=ring serves it")]
-    if not align:
-        return []
-    if prefill == "flashinfer":
-        validated = versions.ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED
-        subject = ("MTP with prefix caching through the ring beside vLLM's FlashInfer GDN prefill (the ring "
-                   "empties the blocks it writes checkpoints into)")
-        instead = "or gdn_prefill_backend='triton' in additional_config, or disable prefix caching"
-    else:
-        validated, subject = versions.ALIGN_MTP_CUDA_VALIDATED, "MTP with prefix caching through the ring"
-        instead = "or disable prefix caching"
-    if version in validated:
-        return []
-    where = ", ".join(str(v) for v in validated) or "no release yet"
-    return [Reason(OPT_IN, f"{subject} is validated on CUDA with vLLM {where} (tests/gpu/test_align_mtp_gpu.py), "
-                           f"not with {version}: by default it stays native; allow_mtp / VLLM_GDN_REPLAYSSM_MTP=ring "
-                           f"serves it ({instead})")]
+    for validated, subject, run, instead in checks:
+        if version not in validated:
+            where = ", ".join(str(v) for v in validated) or "no release yet"
+            return [Reason(OPT_IN, f"{subject} is validated on CUDA with vLLM {where} ({run}), not with {version}: "
+                                   "by default it stays native; allow_mtp / VLLM_GDN_REPLAYSSM_MTP=ring serves it"
+                                   + (f" ({instead})" if instead else ""))]
+    return []
 
 
 def gdn_prefill_backend(vllm_config) -> str:
