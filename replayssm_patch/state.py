@@ -8,6 +8,8 @@ operations' counters and the log lines already written. `status()` reports it; t
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ class PatchState:
     engine_started: bool = False
     stats_logged_at: float = 0.0  # monotonic time of the last counters line
     counters_dir: str | None = None  # where this process's counters go for /metrics (worker_counters)
-    stats_published_at: float = 0.0  # monotonic time they were last written there
+    counters_publisher_pid: int | None = None  # the process whose thread writes them there
     plan_gauge: object = None  # the /metrics gauge this process registered (vllm/metrics_info.py)
     counters_collector: object = None  # and the /metrics collector of the workers' counters
 
@@ -56,19 +58,32 @@ class PatchState:
         logger.info("replayssm_patch: ring counters in this worker: " +
                     ", ".join(f"{k}={self.stats[k]}" for k in keys if k in self.stats))
 
-    def publish_stats_every(self, seconds: float) -> None:
-        """At most every `seconds`, the ring's counters to the file the front end's /metrics reads
-        (worker_counters); a directory that cannot be written is given up, with a warning."""
-        now = time.monotonic()
-        if self.counters_dir is None or not self.stats or now - self.stats_published_at < seconds:
+    def publish_stats_in_background(self, seconds: float) -> None:
+        """Keep this process's ring counters in the file the front end's /metrics reads
+        (worker_counters): a daemon thread of this process writes them every `seconds` when they
+        changed. A thread, not the engine's step, so that the steps just before serving goes idle
+        reach /metrics too. Started once per process (a forked child starts its own); a directory
+        that cannot be written is given up, with a warning."""
+        if self.counters_dir is None or self.counters_publisher_pid == os.getpid():
             return
-        self.stats_published_at = now
-        try:
-            worker_counters.publish(self.counters_dir, dict(self.stats))
-        except OSError as e:
-            self.log_once(logging.WARNING, f"replayssm_patch: the ring's counters stay out of /metrics "
-                                           f"({type(e).__name__}: {e})")
-            self.counters_dir = None
+        self.counters_publisher_pid = os.getpid()
+        threading.Thread(target=self._publish_stats_loop, args=(self.counters_dir, seconds),
+                         name="replayssm-counters", daemon=True).start()
+
+    def _publish_stats_loop(self, directory: str, seconds: float) -> None:
+        published: dict[str, int] = {}
+        while self.counters_dir == directory:  # reset() or a failed write ends it
+            counters = dict(self.stats)  # one C-level copy under the GIL: never half a step's update
+            if counters and counters != published:
+                try:
+                    worker_counters.publish(directory, counters)
+                except OSError as e:
+                    self.log_once(logging.WARNING, f"replayssm_patch: the ring's counters stay out of "
+                                                   f"/metrics ({type(e).__name__}: {e})")
+                    self.counters_dir = None
+                    return
+                published = counters
+            time.sleep(seconds)
 
     def log_once(self, level: int, msg: str) -> None:
         if msg not in self.logged:

@@ -1,7 +1,7 @@
 """The ring's counters, from vLLM's workers to the front end's `/metrics`.
 
 The counters live where vLLM builds the model (by default another process than the server's).
-Each worker writes its counters, at most once per `PUBLISH_SECONDS` while its engine steps, to a
+Each worker's thread writes its counters, every `PUBLISH_SECONDS` when they changed, to a
 file of its own in a directory that the first patched process creates and names in the
 environment (`ENV`), so that every vLLM process started from it writes there; the front end's
 collector reads the files of the workers still alive at each scrape. Workers on other hosts (Ray)

@@ -28,6 +28,7 @@ import pytest
 from replayssm_patch.testing import cache_dir
 from replayssm_patch.testing.agreement import compare
 from replayssm_patch.testing.tiny_models import DECISIVE
+from replayssm_patch.worker_counters import PUBLISH_SECONDS
 
 pytestmark = pytest.mark.vllm
 
@@ -125,6 +126,12 @@ def _stop(proc):
         pass
 
 
+def _scrape(port) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        return [line for line in r.read().decode().splitlines()
+                if line.startswith(("replayssm_patch:", "vllm:cache_config_info"))]
+
+
 def _session(model, port, env, log_path) -> dict:
     proc = _serve(model, port, env, log_path)
     try:
@@ -143,9 +150,12 @@ def _session(model, port, env, log_path) -> dict:
             status, body = _post(port, dict(greedy, prompt=p))
             assert status == 200, body
             out["after"].append(_as_request(body["choices"][0]))
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-            out["metrics"] = [line for line in r.read().decode().splitlines()
-                              if line.startswith(("replayssm_patch:", "vllm:cache_config_info"))]
+        out["metrics"] = _scrape(port)
+        if env.get("VLLM_GDN_REPLAYSSM") == "1":  # the workers write their counters every PUBLISH_SECONDS
+            end = time.monotonic() + 10 * PUBLISH_SECONDS
+            while "flushes" not in str(out["metrics"]) and time.monotonic() < end:
+                time.sleep(PUBLISH_SECONDS / 4)
+                out["metrics"] = _scrape(port)
         out["alive"] = proc.poll() is None
         out["serving_log"] = open(log_path).read()  # up to here: no shutdown messages yet
     finally:

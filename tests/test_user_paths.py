@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -309,6 +311,16 @@ def test_metrics_plan_info_failing_never_stops_the_engine(clean_patch_state, mon
     assert clean_patch_state.plan_gauge is None
 
 
+def _eventually(check, seconds=10.0) -> bool:
+    """Whether `check()` holds within `seconds` (a background thread's write)."""
+    end = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def test_worker_counters_reach_metrics_from_live_workers_only(clean_patch_state, tmp_path):
     """/metrics's ring counters (worker_counters): what each live worker last wrote, per rank and
     counter, worst cases ("_max_") left out; a dead worker's file, a stray file and a native plan
@@ -327,21 +339,20 @@ def test_worker_counters_reach_metrics_from_live_workers_only(clean_patch_state,
     (tmp_path / "stray.json").write_text("{not json")
     clean_patch_state.counters_dir = str(tmp_path)
     clean_patch_state.stats.update(decode_rows=12, flushes=3, shadow_max_rel_err_x1e6=7)
-    clean_patch_state.publish_stats_every(0)
+    before = set(threading.enumerate())
+    clean_patch_state.publish_stats_in_background(0.05)
+    clean_patch_state.publish_stats_in_background(0.05)  # still one thread: one per process
+    assert [t.name for t in set(threading.enumerate()) - before] == ["replayssm-counters"]
     ring = Plan("cuda", RingGeometry(16, 32, 128, 128, 16, torch.bfloat16, torch.float32))
     metrics_info.record(types.SimpleNamespace(_gauge_cls=Gauge, engine_indexes=[0]), ring)
     name = worker_counters.METRIC + "_total"
     me = dict(rank="0", pid=str(os.getpid()))
-    assert REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) == 12
+    assert _eventually(lambda: REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) == 12)
     assert REGISTRY.get_sample_value(name, dict(me, counter="flushes")) == 3
     assert REGISTRY.get_sample_value(name, dict(me, counter="shadow_max_rel_err_x1e6")) is None
     assert REGISTRY.get_sample_value(name, dict(rank="1", pid=dead.stdout.strip(), counter="decode_rows")) is None
-    clean_patch_state.stats["decode_rows"] += 5  # read at each scrape, written at most every `seconds`
-    clean_patch_state.publish_stats_every(3600)
-    assert REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) == 12
-    clean_patch_state.stats_published_at = 0.0
-    clean_patch_state.publish_stats_every(3600)
-    assert REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) == 17
+    clean_patch_state.stats["decode_rows"] += 5  # no step follows: the thread alone writes it
+    assert _eventually(lambda: REGISTRY.get_sample_value(name, dict(me, counter="decode_rows")) == 17)
     native = Plan("cuda", reasons=(Reason(OPT_IN, "allow_mtp='native'"),))
     metrics_info.record(types.SimpleNamespace(_gauge_cls=Gauge, engine_indexes=[0]), native)
     assert clean_patch_state.counters_collector is None
@@ -363,5 +374,6 @@ def test_worker_counters_directory_is_shared_with_started_processes(clean_patch_
     clean_patch_state.counters_dir = str(tmp_path / "gone")
     clean_patch_state.stats["decode_rows"] = 1
     with caplog.at_level("WARNING"):
-        clean_patch_state.publish_stats_every(0)
-    assert clean_patch_state.counters_dir is None and "counters stay out of /metrics" in caplog.text
+        clean_patch_state.publish_stats_in_background(0.05)
+        assert _eventually(lambda: clean_patch_state.counters_dir is None)
+    assert "counters stay out of /metrics" in caplog.text

@@ -97,7 +97,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         md = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                            num_decode_draft_tokens_cpu, fast_build)
         STATE.log_stats_every(STATS_LOG_SECONDS)
-        STATE.publish_stats_every(worker_counters.PUBLISH_SECONDS)
+        STATE.publish_stats_in_background(worker_counters.PUBLISH_SECONDS)
         extra = self._ring_fields(common_attn_metadata, md)
         extra["ring_decode"] = bool(self.num_spec) or md.num_decodes >= self.min_batch
         if md.num_decodes:
