@@ -239,10 +239,16 @@ def run_arm(workdir, name: str, spec: dict, mp: bool = False, extra_env=None) ->
 
 def fresh_cursor(layer, pages):
     """`ReplayQwenGDN._cursor_for` as it was before the cursor was kept across rebinds: a new,
-    empty cursor at every bind (a test's stand-in for the old behaviour)."""
+    empty cursor at every bind, at a new address (a test's stand-in for the old behaviour). The
+    earlier cursors stay referenced: freed, the caching allocator hands the same block straight
+    back to the next bind's allocation of the same size, and the old bind then worked by chance
+    (vLLM 0.34 on an H200, benchmarks/results/vllm034/README.md); a rebind over fewer blocks, or
+    any allocation in between, moves it."""
     import torch
 
-    return torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device), False
+    cursor = torch.zeros(pages.shape[0], dtype=torch.int32, device=pages.device)
+    layer.__dict__.setdefault("_earlier_cursors", []).append(cursor)
+    return cursor, False
 
 
 def _fresh_cursor_at_every_bind() -> None:

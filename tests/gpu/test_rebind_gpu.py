@@ -10,9 +10,10 @@ them, vLLM 0.34's default for Qwen3.5, the GDN core runs eagerly between graph p
 graph holds the cursor). Each arm in its own process, the engine in it
 (VLLM_ENABLE_V1_MULTIPROCESSING=0): native; patched (ring 8, min_batch 1, strict, poisoned
 rings); and patched with the bind as it was before the fix (`cursor_per_bind`: a fresh cursor
-at every bind, so the graphs keep the first one). Checked: the rebind happened and kept the
-cursor (the `cursor_rebinds` counter), the patched tokens agree with native's, and the old bind
-does not (wrong tokens, or the strict shadow check stopping the engine): the test can fail.
+at every bind, at a new address, so the graphs keep the first one; engine_runner.fresh_cursor
+says why the address must be forced). Checked: the rebind happened and kept the cursor (the
+`cursor_rebinds` counter), the patched tokens agree with native's, and the old bind does not
+(wrong tokens, or the strict shadow check stopping the engine): the test can fail.
 
 vLLM >= 0.34 on CUDA (`bash benchmarks/gpu_run.sh v034`); skipped elsewhere.
 """
