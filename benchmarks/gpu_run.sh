@@ -25,8 +25,8 @@
 #
 #   bash benchmarks/gpu_run.sh e2e16 [ARGS]    # (needs install) the kernel benchmark at the Qwen3-Next
 #     shape, bf16 state (the bound; KERNEL_JSON=FILE uses FILE instead), then e2e_decode.py bf16
-#     state, default config, ring at every batch (--min-batch 1), 5 pairs of the two engines in one
-#     process, profiled at 512 (ARGS override these), to $OUT/e2e_decode_bf16.json + $OUT/work (engines.log)
+#     state, default config, ring at every batch (--min-batch 1), 5 pairs of the two engines (one
+#     process each), profiled at 512 (ARGS override these), to $OUT/e2e_decode_bf16.json + $OUT/work (<arm>.log)
 #
 #   bash benchmarks/gpu_run.sh e2ehost [ARGS]  # (needs install) the harness checked against itself, then the
 #     ring: e2e_decode.py --control (two native engines, A/A) and then native/patched, fp32 state, vLLM's
@@ -210,7 +210,7 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       # one workdir: the same model path, so the second run's engines start from the compile cache
       python3 benchmarks/e2e_decode.py "${extra[@]}" --batches "$bs" --pairs "$np" --out "$OUT/e2e_$run.json" \
         --workdir /tmp/e2e_host "$@" 2>&1 | tail -12 || rc=1
-      gzip -c /tmp/e2e_host/engines.log > "$OUT/engines_$run.log.gz" 2>/dev/null || true
+      for a in native patched control; do gzip -c /tmp/e2e_host/$a.log > "$OUT/engines_${run}_$a.log.gz" 2>/dev/null || true; done
     done
     exit $rc ;;
   rollout)
@@ -229,7 +229,7 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       python3 benchmarks/e2e_decode.py --shape "$shape" "${extra[@]}" --min-batch auto --state-dtype float32 \
         --batches "${BATCHES:-1,16,64,128,256,512}" --pairs "${PAIRS:-5}" --out "$f" --workdir "/tmp/e2e_auto_$shape" \
         "$@" 2>&1 | tee "$OUT/e2e_auto_$shape.log" | tail -12 || rc=1
-      gzip -c "/tmp/e2e_auto_$shape/engines.log" > "$OUT/e2e_auto_engines_$shape.log.gz" 2>/dev/null || true
+      for a in native patched; do gzip -c "/tmp/e2e_auto_$shape/$a.log" > "$OUT/e2e_auto_engines_${shape}_$a.log.gz" || true; done
       [ -f "$f" ] && runs+=("$f")
     done
     [ ${#runs[@]} -gt 0 ] && { python3 benchmarks/e2e_auto.py "${runs[@]}" --out "$OUT/e2e_auto.json" || rc=1; }
@@ -274,7 +274,7 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       case $run in plain) extra=(--batches "${BATCHES:-64,256}") ;; *) extra=(--mtp 3 --batches 64) ;; esac
       python3 benchmarks/e2e_decode.py "${extra[@]}" --pairs 3 --state-dtype float32 --workdir /tmp/v034e2e \
         --out "$OUT/e2e_decode_v034_$run.json" 2>&1 | tail -12 || rc=1
-      gzip -c /tmp/v034e2e/engines.log > "$OUT/engines_v034_$run.log.gz" 2>/dev/null || true
+      for a in native patched; do gzip -c /tmp/v034e2e/$a.log > "$OUT/engines_v034_${run}_$a.log.gz" || true; done
     done
     exit $rc ;;
   qwen4exp)

