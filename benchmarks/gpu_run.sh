@@ -64,6 +64,9 @@
 #     Triton GDN prefill and (where FlashInfer is installed: fiinstall) FlashInfer's, to $OUT/alignmtp.log + the arms'
 #     logs (TESTFOLDER_ARM.out.log). The plan serves this combination by default on CUDA only on the releases, per
 #     prefill backend, where it passed (versions.ALIGN_MTP_CUDA_VALIDATED, ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED).
+#   bash benchmarks/gpu_run.sh alignsan        # issue 47 (needs install, fiinstall with vLLM 0.34): the align
+#     test's patched arm alone (benchmarks/align_arm.py) under compute-sanitizer memcheck, to $OUT/alignsan.log,
+#     $OUT/memcheck.PID.log (one per process) and the arm's logs, at most $SAN_SECONDS (default 420)
 #   bash benchmarks/gpu_run.sh v034            # issue 47 with vLLM 0.34 installed (BUNDLE=.bundle034 stage,
 #     install, fiinstall: 0.34's Qwen3.5 on CUDA imports flashinfer.norm and its kernel warmup imports quack; both come
 #     in the parts of `benchmarks/make_flashinfer_bundle.sh .bundle034`; each staging call carries at most ~55 MB
@@ -255,6 +258,13 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
     python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/alignmtp tests/gpu/test_align_mtp_gpu.py 2>&1 \
       | tee "$OUT/alignmtp.log" | tail -15; rc=${PIPESTATUS[0]}
     copy_test_logs /tmp/alignmtp  # each prefill backend's arms
+    exit $rc ;;
+  alignsan)  # issue 47 (see the header)
+    mkdir -p /tmp/alignsan; rc=0
+    timeout "${SAN_SECONDS:-420}" compute-sanitizer --tool memcheck --target-processes all --print-limit 30 \
+      --log-file "/tmp/alignsan/memcheck.%p.log" python3 benchmarks/align_arm.py patched --workdir /tmp/alignsan/arm > "$OUT/alignsan.log" 2>&1 || rc=$?
+    cp /tmp/alignsan/memcheck.*.log /tmp/alignsan/arm/*.log "$OUT/" 2>/dev/null || true
+    grep -h "Invalid\|at 0x\|by thread\|Address" /tmp/alignsan/memcheck.*.log 2>/dev/null | head -20 || true
     exit $rc ;;
   v034)  # issue 47 (see the header)
     rc=0; export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}
