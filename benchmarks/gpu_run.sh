@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu_run.sh mtp             # MTP end to end through the ring (needs install):
 #     e2e_agreement.py --mtp 3 then --mtp 7 (MTP checkpoint of tests/test_vllm_spec.py, prefix
 #     caching off, fp32 SSM state, 16 requests x 128 tokens, native control on; the patched arm
-#     sets VLLM_GDN_REPLAYSSM_MTP=1), to $OUT/e2e_agreement_mtp{3,7}.json
+#     sets VLLM_GDN_REPLAYSSM_MTP=1; TS="3" runs one T), to $OUT/e2e_agreement_mtp{3,7}.json
 #     + logs: agreement, acceptance per arm, GDN cache bytes per arm, ring verify counters, and
 #     the checks of test_vllm_spec (a run whose checks fail exits 1, the step fails at the end)
 #   bash benchmarks/gpu_run.sh rollout         # examples/grpo_rollout.py twice (needs install): CUDA
@@ -186,9 +186,9 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       --workdir /tmp/agreeu --checkpoint decisive --states float32 --no-control --control-unpacked 2>&1 | tail -20 || rc=1
     cp /tmp/agreeu/*.log "$OUT/" 2>/dev/null || true
     exit $rc ;;
-  mtp)  # MTP through the ring on CUDA, T=3 then T=7
+  mtp)  # MTP through the ring on CUDA, T=3 then T=7 (TS="3": one T alone)
     rc=0  # a failed run does not stop the next one; the step fails at the end
-    for T in 3 7; do
+    for T in ${TS:-3 7}; do
       python3 benchmarks/e2e_agreement.py --mtp "$T" --tag "mtp$T" --out "$OUT/e2e_agreement_mtp$T.json" \
         --workdir /tmp/mtp --states float32 --requests 16 --tokens 128 2>&1 | tail -20 || rc=1
     done
