@@ -67,8 +67,8 @@
 #   bash benchmarks/gpu_run.sh alignsan        # issue 47 (needs install, fiinstall with vLLM 0.34): under
 #     compute-sanitizer memcheck, vLLM's FLA prefill alone at GDN head dim 64 and 128 (benchmarks/align_arm.py
 #     kernels, to $OUT/alignsan_kernels_dD.log), then the align test's patched arm alone at GDN head dim 64, where
-#     it stopped (align_arm.py patched, at most $SAN_SECONDS, default 420), to $OUT/alignsan.log,
-#     $OUT/memcheck.PID.log (one per process) and its logs
+#     it stopped (align_arm.py patched, at most $SAN_SECONDS, default 420; SAN_ARM=0 leaves it out), to
+#     $OUT/alignsan.log, $OUT/memcheck.PID.log (one per process) and its logs
 #   bash benchmarks/gpu_run.sh v034            # issue 47 with vLLM 0.34 installed (BUNDLE=.bundle034 stage,
 #     install, fiinstall: 0.34's Qwen3.5 on CUDA imports flashinfer.norm and its kernel warmup imports quack; both come
 #     in the parts of `benchmarks/make_flashinfer_bundle.sh .bundle034`; each staging call carries at most ~55 MB
@@ -264,14 +264,17 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
   alignsan)  # issue 47 (see the header)
     mkdir -p /tmp/alignsan; rc=0
     for d in 64 128; do  # vLLM's FLA prefill alone at GDN head dim 64 (where the align test stopped), then 128
-      timeout 300 compute-sanitizer --tool memcheck --print-limit 30 python3 benchmarks/align_arm.py kernels \
-        --head-dim $d > "$OUT/alignsan_kernels_d$d.log" 2>&1 || rc=$?
+      timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 30 \
+        python3 benchmarks/align_arm.py kernels --head-dim $d > "$OUT/alignsan_kernels_d$d.log" 2>&1 || rc=$?
       tail -4 "$OUT/alignsan_kernels_d$d.log"
     done
-    timeout "${SAN_SECONDS:-420}" compute-sanitizer --tool memcheck --target-processes all --print-limit 30 \
-      --log-file "/tmp/alignsan/memcheck.%p.log" python3 benchmarks/align_arm.py patched --head-dim 64 --workdir /tmp/alignsan/arm > "$OUT/alignsan.log" 2>&1 || rc=$?
-    cp /tmp/alignsan/memcheck.*.log /tmp/alignsan/arm/*.log "$OUT/" 2>/dev/null || true
-    grep -h "Invalid\|at 0x\|by thread\|Address" /tmp/alignsan/memcheck.*.log 2>/dev/null | head -20 || true
+    if [ "${SAN_ARM:-1}" = 1 ]; then
+      timeout "${SAN_SECONDS:-420}" compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all \
+        --print-limit 30 --log-file "/tmp/alignsan/memcheck.%p.log" python3 benchmarks/align_arm.py patched \
+        --head-dim 64 --workdir /tmp/alignsan/arm > "$OUT/alignsan.log" 2>&1 || rc=$?
+      cp /tmp/alignsan/memcheck.*.log /tmp/alignsan/arm/*.log "$OUT/" 2>/dev/null || true
+      grep -h "Invalid\|at 0x\|by thread\|Address" /tmp/alignsan/memcheck.*.log 2>/dev/null | head -20 || true
+    fi
     exit $rc ;;
   v034)  # issue 47 (see the header)
     rc=0; export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}
