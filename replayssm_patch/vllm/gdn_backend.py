@@ -91,13 +91,13 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.min_batch = plan.min_batch
         self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
         metadata_reuse.opt_in(self, vllm_config, device)
+        STATE.publish_stats_in_background(worker_counters.PUBLISH_SECONDS)  # once per worker process
 
     def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
               num_decode_draft_tokens_cpu=None, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                            num_decode_draft_tokens_cpu, fast_build)
         STATE.log_stats_every(STATS_LOG_SECONDS)
-        STATE.publish_stats_in_background(worker_counters.PUBLISH_SECONDS)
         extra = self._ring_fields(common_attn_metadata, md)
         extra["ring_decode"] = bool(self.num_spec) or md.num_decodes >= self.min_batch
         if md.num_decodes:
