@@ -61,9 +61,10 @@ GDN_PREFILL_CHECKPOINT_VERSION = Version("0.33")
 # elsewhere on CUDA the plan keeps MTP native unless asked for
 MTP_CUDA_VALIDATED = (Version("0.33"),)
 # MTP with prefix caching through the ring passed its GPU test against native in these releases
-# (tests/gpu/test_align_mtp_gpu.py, benchmarks/results/align_mtp_h100_2026-12-06/); elsewhere on CUDA
-# the plan keeps that combination native unless asked for
-ALIGN_MTP_CUDA_VALIDATED = (Version("0.33"),)
+# (tests/gpu/test_align_mtp_gpu.py, benchmarks/results/align_mtp_h100_2026-12-06/, benchmarks/results/vllm034/);
+# elsewhere on CUDA the plan keeps that combination native unless asked for (and by default it also needs
+# the release in MTP_CUDA_VALIDATED)
+ALIGN_MTP_CUDA_VALIDATED = (Version("0.33"), Version("0.34"))
 # the same beside vLLM's FlashInfer GDN prefill, which writes align-mode checkpoints inside a chunk
 ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED: tuple[Version, ...] = ()
 CPU_OPS_VERSION = Version("0.34")  # the CPU build's kernel wrappers moved from vllm._custom_ops to vllm._cpu_ops

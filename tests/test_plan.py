@@ -225,6 +225,7 @@ def test_mtp_with_prefix_caching_stays_native_by_default_where_not_validated_on_
 
     monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.34.0")
     monkeypatch.setattr(versions, "MTP_CUDA_VALIDATED", (Version("0.33"), Version("0.34")))
+    monkeypatch.setattr(versions, "ALIGN_MTP_CUDA_VALIDATED", (Version("0.33"),))
     monkeypatch.setattr(plan, "gdn_prefill_backend", lambda cfg: "triton")
     align = mtp(3, **{"cache_config.mamba_cache_mode": "align"})
     p = make_plan(align, ON, memory_bytes=80 * GIB)
