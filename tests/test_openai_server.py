@@ -132,6 +132,15 @@ def _scrape(port) -> list[str]:
                 if line.startswith(("replayssm_patch:", "vllm:cache_config_info"))]
 
 
+def _ring_counters(metrics: list[str]) -> dict[str, float]:
+    return {m.split('counter="')[1].split('"')[0]: float(m.rsplit(" ", 1)[1])
+            for m in metrics if m.startswith("replayssm_patch:ring_counters_total{")}
+
+
+def _served_through_ring(counters: dict[str, float]) -> bool:
+    return counters.get("decode_rows", 0) > 0 and counters.get("flushes", 0) > 0
+
+
 def _session(model, port, env, log_path) -> dict:
     proc = _serve(model, port, env, log_path)
     try:
@@ -152,8 +161,9 @@ def _session(model, port, env, log_path) -> dict:
             out["after"].append(_as_request(body["choices"][0]))
         out["metrics"] = _scrape(port)
         if env.get("VLLM_GDN_REPLAYSSM") == "1":  # the workers write their counters every PUBLISH_SECONDS
+            # until the last steps' counts are written (an earlier write may hold flushes 0)
             end = time.monotonic() + 10 * PUBLISH_SECONDS
-            while "flushes" not in str(out["metrics"]) and time.monotonic() < end:
+            while not _served_through_ring(_ring_counters(out["metrics"])) and time.monotonic() < end:
                 time.sleep(PUBLISH_SECONDS / 4)
                 out["metrics"] = _scrape(port)
         out["alive"] = proc.poll() is None
@@ -184,9 +194,7 @@ def test_openai_server_native_vs_patched(tmp_path):
     for label in ('decision="ring"', 'steps="plain decode of >= 1 rows"', 'ring_len="16"', 'engine="0"'):
         assert label in plan[0], plan[0]
     # and the worker's ring counters, written from the engine's process, read at the scrape
-    counters = {m.split('counter="')[1].split('"')[0]: float(m.rsplit(" ", 1)[1])
-                for m in patched["metrics"] if m.startswith("replayssm_patch:ring_counters_total{")}
-    assert counters.get("decode_rows", 0) > 0 and counters.get("flushes", 0) > 0, patched["metrics"]
+    assert _served_through_ring(_ring_counters(patched["metrics"])), patched["metrics"]
     for arm in (native, patched):  # nothing failed while serving (the stop itself may log more)
         assert "Traceback" not in arm["serving_log"], arm["serving_log"][-3000:]
     for arm in (native, patched):
