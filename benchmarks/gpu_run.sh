@@ -141,9 +141,9 @@ FI_PATH=$FI:$FI/nvidia_cutlass_dsl/dsl_packages  # cutlass's dir: its wheel adds
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 [ -d $FI ] && export PYTHONPATH=$PYTHONPATH:$FI_PATH
 export NCCL_NVLS_ENABLE=0 VLLM_CACHE_ROOT=/tmp/vllm-cache
-copy_test_logs() {  # the arms' logs of pytest's tests under basetemp $1, to $OUT named by their test's folder
-  for f in "$1"/*/*.log; do
-    if [ -e "$f" ]; then cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"; fi
+copy_test_logs() {  # the arms' logs of pytest's tests under basetemp $1 (any depth), to $OUT named by their folder
+  find "$1" -name '*.log' -type f 2>/dev/null | while read -r f; do
+    cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
   done
 }
 case "${1:?step}" in

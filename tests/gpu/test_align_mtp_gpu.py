@@ -6,9 +6,9 @@ The tiny MTP checkpoint of test_vllm_spec_align.py's shape (wide attention, so p
 small enough that requests cross them while decoding) but with GDN heads of 128, as the real
 models have, with the decisive weights of the other GPU agreement runs (`DECISIVE`) and echo
 drafts. Heads of 128 because FlashInfer's GDN prefill takes no other, and because at 64 vLLM
-0.34's own FLA prefill kernel faulted (an illegal address) while the Triton autotuner tried its
-tiles, in the memory profile, before any ring existed (benchmarks/results/vllm034/README.md;
-`gpu_run.sh alignsan` runs that kernel alone, and this test's patched arm at 64, under memcheck). The CPU test's checkpoint has flat logits
+0.34's own FLA prefill kernel reads shared memory out of bounds while the Triton autotuner tries its
+tiles (under memcheck, run alone with no package code: benchmarks/results/vllm034/README.md,
+`gpu_run.sh alignsan`). The CPU test's checkpoint has flat logits
 with frequent near-exact top-2 ties, where a GPU run against native can diverge on the bf16
 logits' last bit, as this test's first run did (benchmarks/results/align_mtp_h100_2026-12-06/).
 T=3, 8 prompts whose block boundaries fall at every offset of a verify window (twice), 190 greedy
@@ -20,9 +20,12 @@ so that it runs where the plan keeps this combination native by default: the rel
 `ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED`, the releases this test passed on; strict, poisoned rings).
 
 Checked, each reported before any assertion: every GDN layer on the ring, with verify steps, align
-moves and rejected drafts; the patched tokens and cached follow-ups against native's, by the
+moves and rejected drafts; the patched tokens, cached and reset follow-ups against native's, by the
 agreement criterion; the patched arm's cached follow-ups against its reset ones, by the same
-criterion. Native's own cached against reset follow-ups are printed beside them, as a control.
+criterion, against native's own cached and reset follow-ups as the control: where native itself
+breaks an exact tie one way from the prefix cache and the other from a fresh prefill (FlashInfer's
+prefill on vLLM 0.34 did, benchmarks/results/vllm034/README.md), the ring may show the same
+divergence, and no other.
 
 vLLM >= 0.32 on CUDA (`bash benchmarks/gpu_run.sh alignmtp`); skipped elsewhere.
 """
@@ -85,8 +88,8 @@ def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path, p
         "requests vs native": (native["align"]["requests"], patched["align"]["requests"]),
         "cached follow-ups vs native": (native["align"]["followups"]["cached"],
                                         patched["align"]["followups"]["cached"]),
-        "cached vs reset follow-ups (patched)": (patched["align"]["followups"]["reset"],
-                                                 patched["align"]["followups"]["cached"]),
+        "reset follow-ups vs native": (native["align"]["followups"]["reset"],
+                                       patched["align"]["followups"]["reset"]),
     }
     control = compare(native["align"]["followups"]["reset"], native["align"]["followups"]["cached"], tie_gap=0.01)
     print(f"[align mtp] control, cached vs reset follow-ups (native): {control.summary()} {control.divergences}")
@@ -94,6 +97,11 @@ def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path, p
     for name, (ref, got) in checks.items():
         verdicts[name] = compare(ref, got, tie_gap=0.01)
         print(f"[align mtp] {name}: {verdicts[name].summary()} {verdicts[name].divergences}")
+    own = compare(patched["align"]["followups"]["reset"], patched["align"]["followups"]["cached"], tie_gap=0.01)
+    native_ties = {(r, i) for r, i, _, _ in control.divergences}
+    own_only = [d for d in own.divergences if d[:2] not in native_ties]  # divergences native does not show
+    print(f"[align mtp] cached vs reset follow-ups (patched): {own.summary()} {own.divergences}; "
+          f"not in native's control: {own_only}")
 
     assert seen["layers"] and all(v == "ring" for v in seen["layers"].values()), seen
     assert counters.get("verify_calls", 0) > 0 and counters.get("align_publish_calls", 0) > 0, counters
@@ -102,3 +110,4 @@ def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path, p
     assert 0 < accepted < drafted, spec  # windows with rejected drafts crossed the boundaries too
     for name, agreement in verdicts.items():
         assert agreement.ok(0.9), (name, agreement.failures)
+    assert own.ok(0.9) or not own_only, ("cached vs reset follow-ups (patched)", own.failures, own_only)
