@@ -98,8 +98,8 @@ def test_mtp_with_prefix_caching_through_the_ring_agrees_with_native(tmp_path, p
         verdicts[name] = compare(ref, got, tie_gap=0.01)
         print(f"[align mtp] {name}: {verdicts[name].summary()} {verdicts[name].divergences}")
     own = compare(patched["align"]["followups"]["reset"], patched["align"]["followups"]["cached"], tie_gap=0.01)
-    native_ties = {(r, i) for r, i, _, _ in control.divergences}
-    own_only = [d for d in own.divergences if d[:2] not in native_ties]  # divergences native does not show
+    native_positions = {(r, i) for r, i, _, _ in control.divergences}
+    own_only = [d for d in own.divergences if d[:2] not in native_positions]  # divergences native does not show
     print(f"[align mtp] cached vs reset follow-ups (patched): {own.summary()} {own.divergences}; "
           f"not in native's control: {own_only}")
 
