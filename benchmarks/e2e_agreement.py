@@ -44,9 +44,14 @@ per rank: the plugin's ring log line from that worker, every GDN layer of that r
 ring (`apply_model` on each worker) and ring-kernel calls counted in that worker.
 `--gdn-heads HK,HV` gives the checkpoint other GDN head counts (issue 7: 16,48).
 
+`--use-replayssm` turns the patched arm's ring on by vLLM's own switch alone, as `vllm serve
+--use-replayssm` users do: its engines get `use_replayssm=True, replayssm_buffer_len=--ring-len`
+and nothing else (no patch(), no VLLM_GDN_REPLAYSSM); the run also checks that every GDN layer the
+engine reports (`status(llm)`) decodes through the ring, and exits 1 otherwise.
+
     python benchmarks/e2e_agreement.py [--out results.json] [--tag NAME] [--tokens 256]
         [--requests 32] [--checkpoint decisive|plain] [--mtp T]
-        [--tp N] [--gdn-heads HK,HV]
+        [--tp N] [--gdn-heads HK,HV] [--use-replayssm]
 
 Written for a CUDA GPU and vLLM (>= 0.29, < 0.35). With the offline bundle, vLLM runs with
 attention_backend=TRITON_ATTN, gdn_prefill_backend=triton, VLLM_USE_FLASHINFER_SAMPLER=0.
@@ -221,6 +226,9 @@ def main() -> None:
                     help="MTP speculative decoding with T draft tokens (0: off, the default): the MTP "
                          "checkpoint of tests/test_vllm_spec.py, prefix caching off, the patched arm with "
                          "VLLM_GDN_REPLAYSSM_MTP=1; replaces --checkpoint")
+    ap.add_argument("--use-replayssm", action="store_true",
+                    help="turn the patched arm's ring on by vLLM's own switch alone: LLM(use_replayssm=True, "
+                         "replayssm_buffer_len=--ring-len); checks every GDN layer decodes through the ring")
     args = ap.parse_args()
     if args.mtp < 0:
         ap.error(f"--mtp: 0 (off) or a positive number of draft tokens (got {args.mtp})")
@@ -276,7 +284,11 @@ def main() -> None:
     if args.control_unpacked:
         unpacked = run_arm(dict(spec, patched=False, engines=engines), workdir, f"{prefix}native_unpacked",
                            dict(env, VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE="0"))
-    if args.mtp or args.tp > 1:  # enabled the way a user would: the environment, which the plugin
+    if args.use_replayssm:  # vLLM's switch, which the plugin's hook takes over for Qwen GDN classes
+        flagged = [dict(e, engine=dict(e["engine"], use_replayssm=True, replayssm_buffer_len=args.ring_len))
+                   for e in engines]
+        patched = run_arm(dict(spec, patched=True, via="flag", engines=flagged), workdir, f"{prefix}patched", env)
+    elif args.mtp or args.tp > 1:  # enabled the way a user would: the environment, which the plugin
         # reads in every process vLLM starts (workers too); MTP with its opt-in
         patched_env = dict(env, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(args.ring_len),
                            VLLM_GDN_REPLAYSSM_STRICT="1", VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
@@ -296,6 +308,8 @@ def main() -> None:
               "control": None if args.no_control else "native vs native, max_num_seqs=8",
               "control_unpacked": ("native vs native with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0"
                                    if unpacked else None),
+              "enabled_by": ("LLM(use_replayssm=True)" if args.use_replayssm
+                             else "environment" if args.mtp or args.tp > 1 else "patch()"),
               "status": patched.get("_status"), "arms": {}}
     on_cuda = False
     try:
@@ -311,13 +325,20 @@ def main() -> None:
           f"{args.requests} requests x {args.tokens} tokens"
           + (f", MTP T={args.mtp}, prefix caching off" if args.mtp else "")
           + (f", TP={args.tp}, GDN heads {heads or (2, 4)}" if args.tp > 1 or heads else ""), flush=True)
-    mtp_failed, tp_failed = [], []
+    mtp_failed, tp_failed, flag_failed = [], [], []
     for state in states:
         ag = compare(native[state]["requests"], patched[state]["requests"])
         entry = {"patched_vs_native": ag.summary(), "identical_fraction": ag.identical_fraction,
                  "criterion_met": ag.ok(), "failures": ag.failures, "max_drift_identical": ag.max_drift_identical,
                  "layers_patched": patched[state].get("layers"), "layers_native": native[state].get("layers")}
         line = f"{label}[{state} state] patched vs native: {ag.summary()}"
+        if args.use_replayssm:  # the engine's own report: every GDN layer on the ring
+            reported = (patched[state].get("engine_status") or {}).get("layers") or {}
+            entry["layers_reported"] = reported
+            on_ring = bool(reported) and all(v == "ring" for v in reported.values())
+            line += f" | use_replayssm: {sum(v == 'ring' for v in reported.values())}/{len(reported)} GDN layers on the ring"
+            if not on_ring:
+                flag_failed.append(state)
         if controls:
             c = compare(native[state]["requests"], native[f"control_{state}"]["requests"])
             entry.update(native_vs_native_control=c.summary(), control_identical_fraction=c.identical_fraction,
@@ -352,6 +373,8 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{label}wrote {out}", flush=True)
+    if flag_failed:
+        raise SystemExit(f"{label}use_replayssm: GDN layers off the ring for SSM state(s) {', '.join(flag_failed)} (see {out})")
     if tp_failed:
         raise SystemExit(f"{label}TP checks failed: {' | '.join(tp_failed)} (see {out})")
     if mtp_failed:

@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_run.sh smoke|agree|e2e # run a check or benchmark (needs install first);
 #     agree: e2e_agreement.py (decisive checkpoint, fp32 SSM state, native control on) to
 #     $OUT/e2e_agreement_decisive.json + logs
+#   bash benchmarks/gpu_run.sh agreeflag       # issue 47: the same run (no control) with the patched arm's ring
+#     turned on by vLLM's own switch alone (e2e_agreement.py --use-replayssm: LLM(use_replayssm=True)), which
+#     also checks every GDN layer on the ring, to $OUT/e2e_agreement_decisive_flag.json + logs
 #   bash benchmarks/gpu_run.sh agreeu          # the same run with the other control instead: native
 #     with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0 (vLLM's general decode path) vs native, by the
 #     same criterion (how close two native kernels come), to $OUT/e2e_agreement_decisive_unpacked.json
@@ -180,6 +183,12 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
     python3 benchmarks/e2e_agreement.py --tag decisive --out "$OUT/e2e_agreement_decisive.json" --workdir /tmp/agree \
       --checkpoint decisive --states float32 2>&1 | tail -20 || rc=1
     cp /tmp/agree/*.log "$OUT/" 2>/dev/null || true
+    exit $rc ;;
+  agreeflag)  # issue 47 (see the header)
+    rc=0
+    python3 benchmarks/e2e_agreement.py --tag decisive_flag --out "$OUT/e2e_agreement_decisive_flag.json" \
+      --workdir /tmp/agreeflag --checkpoint decisive --states float32 --no-control --use-replayssm 2>&1 | tail -20 || rc=1
+    cp /tmp/agreeflag/*.log "$OUT/" 2>/dev/null || true
     exit $rc ;;
   agreeu)  # decisive checkpoint, fp32 SSM state, native-vs-native-unpacked control
     rc=0
