@@ -65,7 +65,7 @@
 #   bash benchmarks/gpu_run.sh alignmtp        # (needs install) tests/gpu/test_align_mtp_gpu.py: MTP T=3 with prefix
 #     caching through the ring (allow_mtp="ring", ring_publish on CUDA) against vLLM's native align + MTP, with the
 #     Triton GDN prefill and (where FlashInfer is installed: fiinstall) FlashInfer's, to $OUT/alignmtp.log + the arms'
-#     logs (TESTFOLDER_ARM.out.log). The plan serves this combination by default on CUDA only on the releases, per
+#     logs (TESTFOLDER_ARM.out.log); ALIGN_K=flashinfer (pytest -k) runs one prefill backend. The plan serves this combination by default on CUDA only on the releases, per
 #     prefill backend, where it passed (versions.ALIGN_MTP_CUDA_VALIDATED, ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED).
 #   bash benchmarks/gpu_run.sh alignsan        # issue 47 (needs install, fiinstall with vLLM 0.34): under
 #     compute-sanitizer memcheck, vLLM's FLA prefill alone at GDN head dim 64 and 128 (benchmarks/align_arm.py
@@ -266,7 +266,8 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       --plot "$OUT/capacity.png" 2>&1 | tail -40 || rc=1; }
     exit $rc ;;
   alignmtp)  # issue 46 (see the header)
-    python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/alignmtp tests/gpu/test_align_mtp_gpu.py 2>&1 \
+    python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/alignmtp tests/gpu/test_align_mtp_gpu.py \
+      ${ALIGN_K:+-k "$ALIGN_K"} 2>&1 \
       | tee "$OUT/alignmtp.log" | tail -15; rc=${PIPESTATUS[0]}
     copy_test_logs /tmp/alignmtp  # each prefill backend's arms
     exit $rc ;;
