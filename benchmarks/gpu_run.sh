@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_run.sh agreeflag       # issue 47: the same run (no control) with the patched arm's ring
 #     turned on by vLLM's own switch alone (e2e_agreement.py --use-replayssm: LLM(use_replayssm=True)), which
 #     also checks every GDN layer on the ring, to $OUT/e2e_agreement_decisive_flag.json + logs
+#   bash benchmarks/gpu_run.sh prefillmem      # issue 46 (needs install): benchmarks/gdn_prefill_memory.py, the memory
+#     vLLM's GDN prefill takes above its inputs for 16384 tokens over 1-512 sequences (what vLLM's memory profile
+#     does not see), fp32 then bf16 state, to $OUT/gdn_prefill_memory_{fp32,bf16}.json. Seconds, no engine
 #   bash benchmarks/gpu_run.sh agreeu          # the same run with the other control instead: native
 #     with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0 (vLLM's general decode path) vs native, by the
 #     same criterion (how close two native kernels come), to $OUT/e2e_agreement_decisive_unpacked.json
@@ -189,6 +192,12 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
     python3 benchmarks/e2e_agreement.py --tag decisive_flag --out "$OUT/e2e_agreement_decisive_flag.json" \
       --workdir /tmp/agreeflag --checkpoint decisive --states float32 --no-control --use-replayssm 2>&1 | tail -20 || rc=1
     cp /tmp/agreeflag/*.log "$OUT/" 2>/dev/null || true
+    exit $rc ;;
+  prefillmem)  # issue 46 (see the header)
+    rc=0
+    for st in float32:fp32 bfloat16:bf16; do
+      python3 benchmarks/gdn_prefill_memory.py --state-dtype "${st%%:*}" --out "$OUT/gdn_prefill_memory_${st##*:}.json" || rc=1
+    done
     exit $rc ;;
   agreeu)  # decisive checkpoint, fp32 SSM state, native-vs-native-unpacked control
     rc=0

@@ -1,0 +1,136 @@
+"""vLLM's chunked GDN prefill alone on a CUDA GPU: how much memory its temporaries take above
+what the layer holds before its core, for one prefill step of `--tokens` tokens over N sequences.
+vLLM's memory profile does not see this part of a serving step: its dummy run has no attention
+metadata, so the GDN core only warms its kernels on 64 tokens (vllm-project/vllm#54775). Issue 46:
+what an engine holds while serving beyond the memory it accounted.
+
+Per N, as vLLM's GDN layer runs a prefill step (`_forward_core`, vLLM 0.33/0.34, Triton prefill):
+the layer's input (the in-projection's q/k/v part, a, b) and the SSM state pool exist first (the
+profile sees them); then, measured, the causal conv's output, q/k/v/g/beta split from it, the N
+states gathered, `chunk_gated_delta_rule` with those initial states (vLLM's FLA op), the final
+states scattered back. Sequence lengths are even (`--tokens` // N), as vLLM's profile spreads its
+dummy tokens over its requests; many short sequences are the worst case (each costs at least one
+chunk of the scan's per-chunk states, and one gathered and one final state).
+
+    python benchmarks/gdn_prefill_memory.py [--tokens 16384] [--seqs 1,32,128,256,512]
+        [--key-heads 16] [--value-heads 32] [--head-dim 128] [--state-dtype float32] [--out FILE]
+
+The defaults are the GDN layer of the benchmarks' 9B, 4B and MoE shapes (e2e_decode.py), tensor
+parallelism 1 (divide the heads by TP for a rank). Needs vLLM (>= 0.33) and a CUDA GPU
+(`bash benchmarks/gpu_run.sh prefillmem`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+GIB = 1 << 30
+
+
+def chunk_op():
+    try:  # vLLM >= 0.33
+        from vllm.third_party.flash_linear_attention.ops import chunk_gated_delta_rule
+    except ImportError:
+        from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
+    return chunk_gated_delta_rule
+
+
+def seq_lens(tokens: int, seqs: int) -> list[int]:
+    """`tokens` spread over `seqs` sequences as evenly as integers allow."""
+    base, extra = divmod(tokens, seqs)
+    return [base + (i < extra) for i in range(seqs)]
+
+
+def prefill_step(chunk, qkv_in, a, b, pool, lens, hk: int, hv: int, d: int) -> None:
+    """One prefill step of the GDN core over sequences of `lens` (their states: pool rows 1..N)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = qkv_in.device
+    mixed = torch.empty_like(qkv_in).copy_(qkv_in)  # the causal conv writes a new tensor of this size
+    q, k, v = mixed.split([hk * d, hk * d, hv * d], dim=-1)
+    q = F.normalize(q.reshape(1, -1, hk, d), dim=-1)  # the post-conv prep's l2norm, in the input's dtype
+    k = F.normalize(k.reshape(1, -1, hk, d), dim=-1)
+    v = v.contiguous().view(1, -1, hv, d)
+    g = -F.softplus(a.float()).unsqueeze(0)  # log decay < 0, fp32 as vLLM's prep gives it
+    beta = torch.sigmoid(b.float()).unsqueeze(0)
+    idx = torch.arange(1, len(lens) + 1, device=dev)
+    initial = pool[idx]  # vLLM gathers the prefills' states ...
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+    out, final = chunk(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial, output_final_state=True,
+                       cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
+    pool[idx] = final.to(pool.dtype)  # ... and scatters the final ones back
+    del out
+
+
+def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, state_dtype: str) -> dict:
+    import torch
+
+    chunk = chunk_op()
+    dev = "cuda"
+    gen = torch.Generator(dev).manual_seed(seqs)
+    qkv_in = torch.randn(tokens, (2 * hk + hv) * d, device=dev, dtype=torch.bfloat16, generator=gen)
+    a = torch.randn(tokens, hv, device=dev, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(tokens, hv, device=dev, dtype=torch.bfloat16, generator=gen)
+    pool = torch.zeros(seqs + 1, hv, d, d, device=dev, dtype=getattr(torch, state_dtype))
+    lens = seq_lens(tokens, seqs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    prefill_step(chunk, qkv_in, a, b, pool, lens, hk, hv, d)
+    torch.cuda.synchronize()
+    above = torch.cuda.max_memory_allocated() - before
+    finite = bool(torch.isfinite(pool).all())
+    del qkv_in, a, b, pool
+    torch.cuda.empty_cache()
+    return {"seqs": seqs, "tokens": tokens, "min_len": min(lens), "peak_above_inputs_gib": above / GIB,
+            "per_token_kib": above / tokens / 1024, "states_finite": finite}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens of the prefill step (vLLM's max_num_batched_tokens)")
+    ap.add_argument("--seqs", default="1,32,128,256,512", help="sequence counts to measure, comma-separated")
+    ap.add_argument("--key-heads", type=int, default=16)
+    ap.add_argument("--value-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--out", default="gdn_prefill_memory.json")
+    args = ap.parse_args()
+    try:
+        seqs = [int(x) for x in args.seqs.split(",")]
+        assert seqs and all(0 < n <= args.tokens for n in seqs)
+    except (ValueError, AssertionError):
+        ap.error(f"--seqs: positive sequence counts up to --tokens, comma-separated (got {args.seqs!r})")
+    if args.value_heads % args.key_heads:
+        ap.error(f"--value-heads {args.value_heads} must be a multiple of --key-heads {args.key_heads}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gdn_prefill_memory.py needs a CUDA GPU")
+    import vllm
+
+    hk, hv, d = args.key_heads, args.value_heads, args.head_dim
+    measure(64, 1, hk, hv, d, args.state_dtype)  # the autotuner's first tries (and their buffers) first
+    rows = []
+    for n in seqs:
+        rows.append(measure(args.tokens, n, hk, hv, d, args.state_dtype))
+        r = rows[-1]
+        print(f"[prefill memory] {args.tokens} tokens over {n} sequences (>= {r['min_len']} tokens each): "
+              f"{r['peak_above_inputs_gib']:.3f} GiB above the inputs ({r['per_token_kib']:.1f} KiB per token)",
+              flush=True)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(0),
+              "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+              "gdn": {"key_heads": hk, "value_heads": hv, "head_dim": d, "state_dtype": args.state_dtype},
+              "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"[prefill memory] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
