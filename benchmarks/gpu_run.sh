@@ -68,8 +68,9 @@
 #   bash benchmarks/gpu_run.sh alignmtp        # (needs install) tests/gpu/test_align_mtp_gpu.py: MTP T=3 with prefix
 #     caching through the ring (allow_mtp="ring", ring_publish on CUDA) against vLLM's native align + MTP, with the
 #     Triton GDN prefill and (where FlashInfer is installed: fiinstall) FlashInfer's, to $OUT/alignmtp.log + the arms'
-#     logs (TESTFOLDER_ARM.out.log); ALIGN_K=flashinfer (pytest -k) runs one prefill backend. The plan serves this combination by default on CUDA only on the releases, per
-#     prefill backend, where it passed (versions.ALIGN_MTP_CUDA_VALIDATED, ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED).
+#     logs (TESTFOLDER_ARM.out.log); ALIGN_K=flashinfer (pytest -k) runs one prefill backend. The plan serves this
+#     combination by default on CUDA only on the releases, per prefill backend, where it passed
+#     (versions.ALIGN_MTP_CUDA_VALIDATED, ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED).
 #   bash benchmarks/gpu_run.sh alignsan        # issue 47 (needs install, fiinstall with vLLM 0.34): under
 #     compute-sanitizer memcheck, vLLM's FLA prefill alone at GDN head dim 64 and 128 (benchmarks/align_arm.py
 #     kernels, to $OUT/alignsan_kernels_dD.log), then the align test's patched arm alone at GDN head dim 64, where
