@@ -69,11 +69,9 @@ def fla_prefill_once(head_dim: int, tokens: int = 64, key_heads: int = 2, value_
     """vLLM's FLA chunked prefill once on random inputs of the warmup's shape (`_warmup_prefill_kernels`
     in vLLM 0.34's GDN layer), then a device sync, so that a fault surfaces here."""
     import torch
+    from gdn_prefill_memory import chunk_op  # this script's folder is on sys.path when run as a script
 
-    try:  # vLLM >= 0.34
-        from vllm.third_party.flash_linear_attention.ops import chunk_gated_delta_rule
-    except ImportError:
-        from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
+    chunk_gated_delta_rule = chunk_op()
     dev = "cuda"
     gen = torch.Generator(dev).manual_seed(0)
 

@@ -285,11 +285,13 @@ def main() -> None:
         unpacked = run_arm(dict(spec, patched=False, engines=engines), workdir, f"{prefix}native_unpacked",
                            dict(env, VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE="0"))
     if args.use_replayssm:  # vLLM's switch, which the plugin's hook takes over for Qwen GDN classes
+        enabled_by = "LLM(use_replayssm=True)"
         flagged = [dict(e, engine=dict(e["engine"], use_replayssm=True, replayssm_buffer_len=args.ring_len))
                    for e in engines]
         patched = run_arm(dict(spec, patched=True, via="flag", engines=flagged), workdir, f"{prefix}patched", env)
     elif args.mtp or args.tp > 1:  # enabled the way a user would: the environment, which the plugin
         # reads in every process vLLM starts (workers too); MTP with its opt-in
+        enabled_by = "environment"
         patched_env = dict(env, VLLM_GDN_REPLAYSSM="1", VLLM_GDN_REPLAYSSM_RING=str(args.ring_len),
                            VLLM_GDN_REPLAYSSM_STRICT="1", VLLM_GDN_REPLAYSSM_POISON_UNUSED="1")
         if args.mtp:
@@ -297,6 +299,7 @@ def main() -> None:
         patched = run_arm(dict(spec, patched=True, via="env", engines=engines), workdir, f"{prefix}patched",
                           patched_env)
     else:
+        enabled_by = "patch()"
         patched = run_arm(dict(spec, patched=True, engines=engines), workdir, f"{prefix}patched", env)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "tag": args.tag,
@@ -308,8 +311,7 @@ def main() -> None:
               "control": None if args.no_control else "native vs native, max_num_seqs=8",
               "control_unpacked": ("native vs native with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0"
                                    if unpacked else None),
-              "enabled_by": ("LLM(use_replayssm=True)" if args.use_replayssm
-                             else "environment" if args.mtp or args.tp > 1 else "patch()"),
+              "enabled_by": enabled_by,
               "status": patched.get("_status"), "arms": {}}
     on_cuda = False
     try:
