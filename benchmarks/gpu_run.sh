@@ -86,8 +86,9 @@
 #   bash benchmarks/gpu_run.sh v034k           # issue 47: the kernel tests (tests/gpu less the engine tests, -n 8;
 #     after the engine tests, never beside them), to $OUT/ktest_full.log. About 6 minutes.
 #   bash benchmarks/gpu_run.sh v034e2e         # issue 47, then: e2e_decode.py in vLLM's default config
-#     (no compilation arguments), 9B shape, fp32 state, plain decode at batches $BATCHES (default
-#     64,256) and MTP T=3 at 64, 3 pairs each, to $OUT/e2e_decode_v034_{plain,mtp3}.json + the engines' logs
+#     (no compilation arguments), 9B shape, fp32 state, --gpu-util 0.47, plain decode at batches $BATCHES (default
+#     64,128) and MTP T=3 at $MTP_BATCHES (default 32), 3 pairs each, to $OUT/e2e_decode_v034_{plain,mtp3}.json
+#     + the engines' logs. About 10 minutes on an H100
 #   Both 0.34 steps turn vLLM's breakable CUDA graphs off (VLLM_USE_BREAKABLE_CUDAGRAPH=0 unless set): vLLM 0.34 is
 #     built for torch 2.14, and on the host's torch 2.11 its breakable capture (0.34's default for Qwen3.5 on CUDA)
 #     stops native vLLM at an allocator assertion (benchmarks/results/vllm034/README.md). vLLM then runs its CUDA
@@ -311,8 +312,9 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
   v034e2e)  # issue 47 (see the header)
     rc=0; export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}
     for run in plain mtp3; do
-      case $run in plain) extra=(--batches "${BATCHES:-64,256}") ;; *) extra=(--mtp 3 --batches 64) ;; esac
-      python3 benchmarks/e2e_decode.py "${extra[@]}" --pairs 3 --state-dtype float32 --workdir /tmp/v034e2e \
+      # an H100's 0.47 holds these batches in both engines (at 0.45 native holds 137 plain, 62 at MTP T=3)
+      case $run in plain) extra=(--batches "${BATCHES:-64,128}") ;; *) extra=(--mtp 3 --batches "${MTP_BATCHES:-32}") ;; esac
+      python3 benchmarks/e2e_decode.py "${extra[@]}" --gpu-util 0.47 --pairs 3 --state-dtype float32 --workdir /tmp/v034e2e \
         --out "$OUT/e2e_decode_v034_$run.json" 2>&1 | tail -12 || rc=1
       for a in native patched; do gzip -c /tmp/v034e2e/$a.log > "$OUT/engines_v034_${run}_$a.log.gz" || true; done
     done

@@ -66,7 +66,8 @@ MTP_CUDA_VALIDATED = (Version("0.33"),)
 # the release in MTP_CUDA_VALIDATED)
 ALIGN_MTP_CUDA_VALIDATED = (Version("0.33"), Version("0.34"))
 # the same beside vLLM's FlashInfer GDN prefill, which writes align-mode checkpoints inside a chunk
-ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED: tuple[Version, ...] = ()
+# (benchmarks/results/vllm034/)
+ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED = (Version("0.34"),)
 CPU_OPS_VERSION = Version("0.34")  # the CPU build's kernel wrappers moved from vllm._custom_ops to vllm._cpu_ops
 
 
