@@ -4,13 +4,14 @@ vLLM's memory profile does not see this part of a serving step: its dummy run ha
 metadata, so the GDN core only warms its kernels on 64 tokens (vllm-project/vllm#54775). Issue 46:
 what an engine holds while serving beyond the memory it accounted.
 
-Per N, as vLLM's GDN layer runs a prefill step (`_forward_core`, vLLM 0.33/0.34, Triton prefill):
-the layer's input (the in-projection's q/k/v part, a, b) and the SSM state pool exist first (the
-profile sees them); then, measured, the causal conv's output, q/k/v/g/beta split from it, the N
-states gathered, `chunk_gated_delta_rule` with those initial states (vLLM's FLA op), the final
-states scattered back. Sequence lengths are even (`--tokens` // N), as vLLM's profile spreads its
-dummy tokens over its requests; many short sequences are the worst case (each costs at least one
-chunk of the scan's per-chunk states, and one gathered and one final state).
+Per N, the step a ring layer adds to vLLM's memory profile (`replayssm_patch.vllm.prefill_profile`),
+which makes the allocations of vLLM's GDN prefill step (`_forward_core`, vLLM 0.33/0.34, Triton
+prefill): the layer's input (the in-projection's q/k/v part) exists first (the profile sees it);
+then, measured, the causal conv's output, q/k/v/g/beta split from it, the N states gathered,
+`chunk_gated_delta_rule` with those initial states (vLLM's FLA op), the final states converted to
+be scattered back. Sequence lengths are even (`--tokens` // N); many short sequences are the worst
+case (each costs at least one chunk of the scan's per-chunk states, and one gathered and one final
+state).
 
     python benchmarks/gdn_prefill_memory.py [--tokens 16384] [--seqs 1,32,128,256,512]
         [--key-heads 16] [--value-heads 32] [--head-dim 128] [--state-dtype float32] [--out FILE]
@@ -38,56 +39,24 @@ def chunk_op():
     return chunk_gated_delta_rule
 
 
-def seq_lens(tokens: int, seqs: int) -> list[int]:
-    """`tokens` spread over `seqs` sequences as evenly as integers allow."""
-    base, extra = divmod(tokens, seqs)
-    return [base + (i < extra) for i in range(seqs)]
-
-
-def prefill_step(chunk, qkv_in, a, b, pool, lens, hk: int, hv: int, d: int) -> None:
-    """One prefill step of the GDN core over sequences of `lens` (their states: pool rows 1..N)."""
-    import torch
-    import torch.nn.functional as F
-
-    dev = qkv_in.device
-    mixed = torch.empty_like(qkv_in).copy_(qkv_in)  # the causal conv writes a new tensor of this size
-    q, k, v = mixed.split([hk * d, hk * d, hv * d], dim=-1)
-    q = F.normalize(q.reshape(1, -1, hk, d), dim=-1)  # the post-conv prep's l2norm, in the input's dtype
-    k = F.normalize(k.reshape(1, -1, hk, d), dim=-1)
-    v = v.contiguous().view(1, -1, hv, d)
-    g = -F.softplus(a.float()).unsqueeze(0)  # log decay < 0, fp32 as vLLM's prep gives it
-    beta = torch.sigmoid(b.float()).unsqueeze(0)
-    idx = torch.arange(1, len(lens) + 1, device=dev)
-    initial = pool[idx]  # vLLM gathers the prefills' states ...
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
-    out, final = chunk(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial, output_final_state=True,
-                       cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
-    pool[idx] = final.to(pool.dtype)  # ... and scatters the final ones back
-    del out
-
-
 def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, state_dtype: str) -> dict:
     import torch
 
-    chunk = chunk_op()
+    from replayssm_patch.vllm.prefill_profile import prefill_step, seq_lens
+
     dev = "cuda"
     gen = torch.Generator(dev).manual_seed(seqs)
     qkv_in = torch.randn(tokens, (2 * hk + hv) * d, device=dev, dtype=torch.bfloat16, generator=gen)
-    a = torch.randn(tokens, hv, device=dev, dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(tokens, hv, device=dev, dtype=torch.bfloat16, generator=gen)
-    pool = torch.zeros(seqs + 1, hv, d, d, device=dev, dtype=getattr(torch, state_dtype))
-    lens = seq_lens(tokens, seqs)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    prefill_step(chunk, qkv_in, a, b, pool, lens, hk, hv, d)
+    prefill_step(chunk_op(), qkv_in, (hk, hv), (hv, d, d), getattr(torch, state_dtype), seqs)
     torch.cuda.synchronize()
     above = torch.cuda.max_memory_allocated() - before
-    finite = bool(torch.isfinite(pool).all())
-    del qkv_in, a, b, pool
+    del qkv_in
     torch.cuda.empty_cache()
-    return {"seqs": seqs, "tokens": tokens, "min_len": min(lens), "peak_above_inputs_gib": above / GIB,
-            "per_token_kib": above / tokens / 1024, "states_finite": finite}
+    return {"seqs": seqs, "tokens": tokens, "min_len": min(seq_lens(tokens, seqs)), "peak_above_inputs_gib": above / GIB,
+            "per_token_kib": above / tokens / 1024}
 
 
 def main() -> None:

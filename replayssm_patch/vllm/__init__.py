@@ -218,6 +218,22 @@ POINTS = (
             "causal_conv1d_update", ["conv_state_indices", "num_accepted_tokens", "query_start_loc",
                                      "max_query_len", "validate_data"])),)),
     PatchPoint(
+        "call", QWEN_GDN_MODULE, f"{LAYER_CLASS}._warmup_prefill_kernels (memory profile)",
+        "replayssm_patch.vllm.prefill_profile:prefill_step", platform="cuda", vllm_versions=">=0.33",
+        what="a ring layer's profile forward also runs one whole GDN prefill step of the profile's tokens",
+        why="vLLM's memory profile skips the GDN core, so a prefill step's temporaries were memory the engine "
+            "held beyond the budget it was given",
+        how="after vLLM's kernel warmup, once, on CUDA: the allocations of vLLM's prefill step over as many "
+            "sequences as max_num_seqs allows, the scan through the layer's own prefill op",
+        upstream="vllm-project/vllm#54775 (the GDN prefill's workspace in the memory profile)",
+        remove_when="vLLM's memory profile counts a GDN prefill step", applies="ring layer",
+        probes=(Probe("layer _warmup_prefill_kernels", QWEN_GDN, has_method(
+                    LAYER_CLASS, "_warmup_prefill_kernels", ["self", "qkv_or_qkvz", "v_dim"], exact=True)),
+                Probe("layer prefill op", QWEN_GDN, has_method(
+                    "ChunkGatedDeltaRule", "forward_native",
+                    ["q", "k", "v", "g", "beta", "initial_state", "output_final_state", "cu_seqlens",
+                     "use_qk_l2norm_in_kernel"])))),
+    PatchPoint(
         "attribute", QWEN_GDN_MODULE, f"{LAYER_CLASS}.enable_fused_gdn_spec_decode",
         "replayssm_patch.vllm.fused_decode_flags:disable",
         what="vLLM's fused MTP decode is off on MTP ring layers (enable_fused_gdn_decode before vLLM 0.32)",

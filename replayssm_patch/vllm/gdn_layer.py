@@ -24,7 +24,7 @@ from ..ring import shadow
 from ..ring.call import cpu_kv_view, run_with_ring
 from ..ring.runtime import RingBuffers, ops_for
 from ..state import STATE, PatchRefused
-from . import align_copy_funcs, fused_decode_flags, model_class, spec_verify_step
+from . import align_copy_funcs, fused_decode_flags, model_class, prefill_profile, spec_verify_step
 from .gdn_backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata, ring_spec, state_offsets
 
 
@@ -68,6 +68,8 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         self.ring_cache_config = vllm_config.cache_config  # read at binding (extensible caches)
         self.replay_ring: RingBuffers | None = None
         self.ring_ops = ops_for(plan.platform, STATE.stats) if plan.serves else None
+        # the most sequences one prefill step may hold, for the step the memory profile sees
+        self.ring_max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         STATE.layers[prefix] = "ring" if plan.serves else "native: " + "; ".join(map(str, plan.reasons))
         if plan.serves and plan.spec_tokens:
             fused_decode_flags.disable(self)
@@ -151,6 +153,31 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
 
     def get_attn_backend(self):
         return ReplayGDNAttentionBackend if self.ring_plan.serves else super().get_attn_backend()
+
+    # -- memory profile -----------------------------------------------------------------------
+    def _warmup_prefill_kernels(self, qkv_or_qkvz: torch.Tensor, v_dim: int) -> None:
+        """vLLM's warmup in the profile forward (vLLM >= 0.33), then, once, on CUDA, a whole
+        prefill step of the profile's tokens, so that the KV cache is sized without its memory
+        (prefill_profile)."""
+        first = not getattr(self, "_prefill_kernels_warmed_up", False)
+        super()._warmup_prefill_kernels(qkv_or_qkvz, v_dim)
+        if not (first and self.ring_plan.serves and self.ring_plan.platform == "cuda"):
+            return
+        backend = getattr(self, "gdn_prefill_backend", "triton")
+        if backend not in ("triton", "flashinfer"):  # the others' ops take metadata built per step
+            STATE.log_once(logging.WARNING, f"replayssm_patch: vLLM's memory profile leaves out the GDN prefill "
+                                            f"step's temporaries with the {backend} prefill backend")
+            return
+        qkv = qkv_or_qkvz[:, :qkv_or_qkvz.shape[-1] - v_dim]
+        tokens, seqs = qkv.shape[0], prefill_profile.profile_seqs(qkv.shape[0], self.ring_max_num_seqs)
+        # (the profile's peak statistics are vLLM's: read, never reset, here)
+        prefill_profile.prefill_step(self.chunk_gated_delta_rule, qkv,
+                                     (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
+                                     tuple(self.get_state_shape()[1]), self.get_state_dtype()[1], seqs)
+        torch.cuda.empty_cache()
+        STATE.log_once(logging.INFO, f"replayssm_patch: vLLM's memory profile includes a GDN prefill step of {tokens} "
+                                     f"tokens over {seqs} sequences ({backend} prefill), which vLLM's own profile "
+                                     "leaves out")
 
     # -- forward ----------------------------------------------------------------------------
     def ring_metadata(self) -> ReplayGDNAttentionMetadata | None:

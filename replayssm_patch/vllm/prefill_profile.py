@@ -1,0 +1,57 @@
+"""Patch point: vLLM's memory profile sees one GDN prefill step of the engine's token budget.
+
+vLLM sizes the KV cache from a profile run whose dummy forward has no attention metadata, so
+its GDN layers skip their core there and only warm the prefill kernels on 64 tokens
+(`_warmup_prefill_kernels`, vLLM >= 0.33; vllm-project/vllm#54775). A real prefill step's
+temporaries (the causal conv's output, q/k/v/g/beta, every prefill sequence's gathered and final
+state, the chunked scan's own) are then memory the engine holds beyond what it accounted; how
+much: benchmarks/results/gdn_prefill_memory_h100_2026-12-07/. A ring layer therefore runs, in
+its profile forward on CUDA, after vLLM's warmup, the worst step vLLM's scheduler may send it
+(the profile's tokens over as many sequences as `max_num_seqs` allows) through the layer's own
+prefill op, so that the profile's peak includes it and the KV cache is sized without it.
+Before vLLM 0.33 there is no warmup to follow and the profile stays as vLLM makes it.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+
+def seq_lens(tokens: int, seqs: int) -> list[int]:
+    """`tokens` spread over `seqs` sequences as evenly as integers allow (many short sequences
+    are the costly case: each holds a gathered state, a final state and a chunk of the scan)."""
+    base, extra = divmod(tokens, seqs)
+    return [base + (i < extra) for i in range(seqs)]
+
+
+def prefill_step(chunk, qkv: torch.Tensor, heads: tuple[int, int], state_shape: tuple[int, ...],
+                 state_dtype: torch.dtype, seqs: int) -> None:
+    """The allocations of one prefill step of vLLM's GDN core over `qkv`'s tokens (the in-projection's
+    q/k/v part, [tokens, (2 * key_heads + value_heads) * head_dim]) spread over `seqs` sequences,
+    with the scan run through `chunk` (vLLM's `chunk_gated_delta_rule` interface). What is computed
+    does not matter here, only what is held while it runs; `heads` = (key heads, value heads) of
+    this rank, `state_shape` = one sequence's SSM state [value heads, V, K]."""
+    hk, hv = heads
+    tokens, dev = qkv.shape[0], qkv.device
+    dv, dk = state_shape[1], state_shape[2]
+    conv = torch.empty_like(qkv).copy_(qkv)  # the causal conv writes a new tensor of this size
+    q, k, v = conv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = F.normalize(q.reshape(1, tokens, hk, dk), dim=-1)  # the post-conv prep's outputs
+    k = F.normalize(k.reshape(1, tokens, hk, dk), dim=-1)
+    v = v.contiguous().view(1, tokens, hv, dv)
+    g = torch.zeros(1, tokens, hv, device=dev, dtype=torch.float32)  # log decay and beta, fp32
+    beta = torch.full((1, tokens, hv), 0.5, device=dev, dtype=torch.float32)
+    initial = torch.zeros(seqs, *state_shape, device=dev, dtype=state_dtype)  # the states gathered
+    cu = torch.tensor([0, *accumulate(seq_lens(tokens, seqs))], device=dev, dtype=torch.int32)
+    out, final = chunk(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial, output_final_state=True,
+                       cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
+    scattered = final.to(state_dtype)  # the scatter back into the pool converts first
+    del out, scattered
+
+
+def profile_seqs(tokens: int, max_num_seqs: int) -> int:
+    """How many sequences the profiled step spreads `tokens` over: all vLLM may schedule."""
+    return max(1, min(tokens, max_num_seqs))

@@ -1,0 +1,144 @@
+"""The GDN prefill step a ring layer adds to vLLM's memory profile (vllm.prefill_profile, issue 46).
+
+vLLM's profile forward skips the GDN core, so a prefill step's temporaries were held beyond the
+engine's budget. A ring layer on CUDA runs, once, in that forward, the worst step the scheduler may
+send: the profile's tokens over min(max_num_seqs, tokens) sequences through the layer's own prefill
+op. On CPU the step is checked against a prefill op that records what it is given (and computes
+the recurrence with the package's float64 reference); its memory is measured on the GPU
+(benchmarks/gdn_prefill_memory.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from replayssm_patch.ops import gdn_reference
+from replayssm_patch.plan import Plan, RingGeometry
+from replayssm_patch.vllm import prefill_profile
+
+if not os.environ.get("CI"):
+    pytest.importorskip("vllm")
+
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
+
+from replayssm_patch.vllm.gdn_layer import ReplayQwenGDN  # noqa: E402
+
+HK, HV, D = 2, 4, 8
+
+
+class RecordingPrefill:
+    """vLLM's chunk_gated_delta_rule interface: records its arguments and returns each sequence's
+    outputs and final state from the package's float64 reference recurrence."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                 use_qk_l2norm_in_kernel):
+        self.calls.append(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state.clone(),
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens.clone(),
+                               l2norm=use_qk_l2norm_in_kernel))
+        group = v.shape[2] // q.shape[2]
+        qe, ke = (x[0].double().repeat_interleave(group, dim=1) for x in (q, k))  # key heads per value head
+        outs, finals = [], []
+        for n in range(initial_state.shape[0]):
+            t0, t1 = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+            o, h = gdn_reference.recurrent_sequence_reference(
+                qe[t0:t1], ke[t0:t1], v[0, t0:t1].double(), g[0, t0:t1].double(), beta[0, t0:t1].double(),
+                initial_state[n].double())
+            outs.append(o)
+            finals.append(h)
+        return torch.cat(outs)[None].to(v.dtype), torch.stack(finals).float()
+
+
+@pytest.mark.parametrize("tokens,seqs,state_dtype", [(37, 5, torch.float32), (12, 12, torch.bfloat16),
+                                                      (9, 1, torch.float32)])
+def test_the_step_spreads_the_tokens_over_the_sequences_with_their_states(tokens, seqs, state_dtype):
+    gen = torch.Generator().manual_seed(tokens * 31 + seqs)
+    qkv = torch.randn(tokens, (2 * HK + HV) * D, generator=gen).to(torch.bfloat16)
+    chunk = RecordingPrefill()
+    prefill_profile.prefill_step(chunk, qkv, (HK, HV), (HV, D, D), state_dtype, seqs)
+    (call,) = chunk.calls
+    lens = (call["cu_seqlens"][1:] - call["cu_seqlens"][:-1]).tolist()
+    assert call["cu_seqlens"].dtype == torch.int32 and call["cu_seqlens"][0] == 0
+    assert len(lens) == seqs and sum(lens) == tokens and max(lens) - min(lens) <= 1 and min(lens) >= 1
+    assert call["q"].shape == call["k"].shape == (1, tokens, HK, D) and call["v"].shape == (1, tokens, HV, D)
+    assert call["q"].dtype == call["v"].dtype == qkv.dtype
+    assert call["g"].shape == call["beta"].shape == (1, tokens, HV) and call["g"].dtype == torch.float32
+    assert call["initial_state"].shape == (seqs, HV, D, D) and call["initial_state"].dtype == state_dtype
+    assert call["output_final_state"] and call["l2norm"] is False
+    # q and k as vLLM's post-conv prep gives them: unit vectors per head (the kernel's l2norm off)
+    norms = call["k"].float().norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+    # v is the qkv's value part, unchanged
+    assert torch.equal(call["v"].reshape(tokens, -1), qkv[:, 2 * HK * D:])
+
+
+def test_the_profile_spreads_over_every_sequence_vllm_may_schedule():
+    assert prefill_profile.profile_seqs(16384, 512) == 512
+    assert prefill_profile.profile_seqs(100, 512) == 100
+    assert prefill_profile.profile_seqs(8192, 1) == 1
+    assert prefill_profile.seq_lens(10, 4) == [3, 3, 2, 2]
+
+
+GEOMETRY = RingGeometry(HK, HV, D, D, 4, torch.float32, torch.float32)
+
+
+def profile_layer(platform: str, serves: bool = True, backend: str = "triton", max_num_seqs: int = 3):
+    """The real layer class built without vLLM's __init__, with what the profile step reads."""
+    layer = ReplayQwenGDN.__new__(ReplayQwenGDN)
+    torch.nn.Module.__init__(layer)
+    layer.ring_plan = Plan(platform, GEOMETRY if serves else None, min_batch=1)
+    layer.ring_max_num_seqs = max_num_seqs
+    layer.num_k_heads, layer.num_v_heads, layer.tp_size = 2 * HK, 2 * HV, 2  # this rank: HK, HV
+    layer.gdn_prefill_backend = backend
+    layer.get_state_shape = lambda: ((3, 14), (HV, D, D))
+    layer.get_state_dtype = lambda: (torch.bfloat16, torch.float32)
+    layer.chunk_gated_delta_rule = RecordingPrefill()
+    return layer
+
+
+@pytest.fixture
+def vllm_warmup(monkeypatch):
+    """vLLM's warmup (0.33+), recorded: once per layer, by the layer's flag, as vLLM's."""
+    calls = []
+
+    def warmup(self, qkv_or_qkvz, v_dim):
+        if getattr(self, "_prefill_kernels_warmed_up", False):
+            return
+        self._prefill_kernels_warmed_up = True
+        calls.append(qkv_or_qkvz.shape)
+
+    monkeypatch.setattr(QwenGatedDeltaNetAttention, "_warmup_prefill_kernels", warmup, raising=False)
+    return calls
+
+
+def test_a_cuda_ring_layer_profiles_one_whole_prefill_step_once(vllm_warmup, clean_patch_state):
+    layer = profile_layer("cuda")
+    z = 5  # the output gate's columns, which 0.34's fused paths pass along (v_dim)
+    qkvz = torch.randn(20, (2 * HK + HV) * D + z).to(torch.bfloat16)
+    layer._warmup_prefill_kernels(qkvz, z)
+    layer._warmup_prefill_kernels(qkvz, z)  # vLLM warms up once; so does the profile step
+    assert len(vllm_warmup) == 1
+    (call,) = layer.chunk_gated_delta_rule.calls
+    assert call["initial_state"].shape == (3, HV, D, D)  # min(max_num_seqs, 20 tokens) sequences
+    assert call["cu_seqlens"].tolist() == [0, 7, 14, 20]
+    assert torch.equal(call["v"].reshape(20, -1), qkvz[:, 2 * HK * D:(2 * HK + HV) * D])  # z left out
+    assert any("GDN prefill step of 20 tokens over 3 sequences" in m for m in clean_patch_state.logged)
+
+
+@pytest.mark.parametrize("platform,serves", [("cpu", True), ("cuda", False)])
+def test_no_profile_step_off_cuda_or_off_the_ring(platform, serves, vllm_warmup, clean_patch_state):
+    layer = profile_layer(platform, serves=serves)
+    layer._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D), 0)
+    assert len(vllm_warmup) == 1 and not layer.chunk_gated_delta_rule.calls
+
+
+def test_a_prefill_backend_whose_op_needs_step_metadata_is_named(vllm_warmup, clean_patch_state):
+    layer = profile_layer("cuda", backend="cutedsl")
+    layer._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D), 0)
+    assert not layer.chunk_gated_delta_rule.calls
+    assert any("cutedsl prefill backend" in m for m in clean_patch_state.logged)
