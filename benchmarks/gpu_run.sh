@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Steps of one GPU session on a host without a package index (the device tool's H200):
 # the offline vLLM 0.33.0 bundle travels in three calls (.bundle/parts/vllm.tar.xz.00, .01,
-# then .bundle/deps + install_bundle.sh, each copied to /tmp/bundle), then it is installed and
-# the benchmarks run. Results go to $OUT (or ./gpu-out).
+# then .02 with .bundle/deps + install_bundle.sh, each copied to /tmp/bundle), then it is installed and
+# the benchmarks run. Results go to $OUT (or ./gpu-out). A call carries 64 MiB with the tree (~12 MB),
+# so the parts are cut to 45 MB (the bundle tools write 55 MB ones):
+#   cat DIR/vllm.tar.xz.* > /tmp/b && rm DIR/vllm.tar.xz.* && split -b 45000000 -d -a 2 /tmp/b DIR/vllm.tar.xz.
 #
 #   bash benchmarks/gpu_run.sh stage           # copy whatever of .bundle/ travelled to /tmp/bundle
 #     (BUNDLE=.bundle034 stages another release's bundle, e.g. vLLM 0.34.0's, kept in that folder)

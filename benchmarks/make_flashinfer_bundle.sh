@@ -11,7 +11,7 @@
 #   CUTLASS_DSL_VERSION=X.Y.Z (default 4.8.1, the one run on the host with 0.7.4)
 #   QUACK_VERSION=X.Y.Z (default 0.6.5, vLLM 0.34's pin)
 #
-# OUTDIR/fi/flashinfer.tar.xz.NN: one tree, split in parts of at most 55 MB (one per transfer),
+# OUTDIR/fi/flashinfer.tar.xz.NN: one tree, split in parts of at most 45 MB (one per transfer, beside the tree),
 # holding flashinfer-python's .py files, nvidia-cutlass-dsl with its CUDA 13 libraries, and what
 # they import that the GPU image lacks. No CUDA sources (flashinfer/data), prebuilt binaries or
 # nvcc: in FlashInfer 0.7.x the GDN decode kernels and these norms are CuTe DSL, compiled at first
@@ -44,6 +44,6 @@ for w in "$tmp"/whl/*.whl; do
   esac
 done
 mkdir -p "$OUT/fi"; rm -f "$OUT"/fi/flashinfer.tar.xz.*
-(cd "$tmp/site" && tar cf - .) | xz -T0 -6 | split -b 55000000 -d - "$OUT/fi/flashinfer.tar.xz."
+(cd "$tmp/site" && tar cf - .) | xz -T0 -6 | split -b 45000000 -d - "$OUT/fi/flashinfer.tar.xz."
 echo "flashinfer-python $FI_VERSION, nvidia-cutlass-dsl $CUTLASS_DSL_VERSION, quack-kernels $QUACK_VERSION"
 ls -la "$OUT/fi"
