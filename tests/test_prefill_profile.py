@@ -142,3 +142,24 @@ def test_a_prefill_backend_whose_op_needs_step_metadata_is_named(vllm_warmup, cl
     layer._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D), 0)
     assert not layer.chunk_gated_delta_rule.calls
     assert any("cutedsl prefill backend" in m for m in clean_patch_state.logged)
+
+
+def test_an_op_that_refuses_the_step_leaves_the_profile_as_vllm_made_it(vllm_warmup, clean_patch_state):
+    """The engine starts as vLLM would, with a warning naming the failure; an out-of-memory error
+    is raised (the budget could not hold such a step while serving either)."""
+    layer = profile_layer("cuda")
+
+    def refuses(**kwargs):
+        raise RuntimeError("shape not supported")
+
+    layer.chunk_gated_delta_rule = refuses
+    layer._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D), 0)
+    assert any("prefill op failed on it (RuntimeError: shape not supported)" in m for m in clean_patch_state.logged)
+
+    def out_of_memory(**kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    layer = profile_layer("cuda")
+    layer.chunk_gated_delta_rule = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        layer._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D), 0)

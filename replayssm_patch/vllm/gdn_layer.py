@@ -171,10 +171,19 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         qkv = qkv_or_qkvz[:, :qkv_or_qkvz.shape[-1] - v_dim]
         tokens, seqs = qkv.shape[0], prefill_profile.profile_seqs(qkv.shape[0], self.ring_max_num_seqs)
         # (the profile's peak statistics are vLLM's: read, never reset, here)
-        prefill_profile.prefill_step(self.chunk_gated_delta_rule, qkv,
-                                     (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
-                                     tuple(self.get_state_shape()[1]), self.get_state_dtype()[1], seqs)
-        torch.cuda.empty_cache()
+        try:
+            prefill_profile.prefill_step(self.chunk_gated_delta_rule, qkv,
+                                         (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
+                                         tuple(self.get_state_shape()[1]), self.get_state_dtype()[1], seqs)
+        except torch.OutOfMemoryError:
+            raise  # the budget cannot hold such a step: serving it would fail the same way
+        except Exception as e:  # the op refused the step's shapes: the engine starts as vLLM would
+            STATE.log_once(logging.WARNING, f"replayssm_patch: vLLM's memory profile leaves out the GDN prefill "
+                                            f"step's temporaries: the {backend} prefill op failed on it "
+                                            f"({type(e).__name__}: {e})")
+            return
+        finally:
+            torch.cuda.empty_cache()
         STATE.log_once(logging.INFO, f"replayssm_patch: vLLM's memory profile includes a GDN prefill step of {tokens} "
                                      f"tokens over {seqs} sequences ({backend} prefill), which vLLM's own profile "
                                      "leaves out")
