@@ -208,9 +208,14 @@ def engine_info(name: str, log: str) -> dict:
     if not room:
         raise SystemExit(f"{name} engine: no 'Maximum concurrency' line in its log:\n{tail}")
     return {"max_concurrency": min(room), "kv_cache_tokens": min(tokens) if tokens else None,
+            # with what sized the KV cache: vLLM's profile (peak activation) and the prefill step
+            # the ring engine adds to it
             "engine_cache_log": [ln.strip()[-240:] for ln in log.splitlines()
-                                 if "Maximum concurrency" in ln or "KV cache size" in ln
-                                 or "decode through the ring" in ln][:4]}
+                                 if any(key in ln for key in _CACHE_LOG_KEYS)][:6]}
+
+
+_CACHE_LOG_KEYS = ("Maximum concurrency", "KV cache size", "decode through the ring", "for peak activation",
+                   "Available KV cache memory", "memory profile includes a GDN prefill step")
 
 
 class EngineMetrics:
