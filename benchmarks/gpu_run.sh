@@ -18,6 +18,9 @@
 #   bash benchmarks/gpu_run.sh prefillmem      # issue 46 (needs install): benchmarks/gdn_prefill_memory.py, the memory
 #     vLLM's GDN prefill takes above its inputs for 16384 tokens over 1-512 sequences (what vLLM's memory profile
 #     does not see), fp32 then bf16 state, to $OUT/gdn_prefill_memory_{fp32,bf16}.json. Seconds, no engine
+#   bash benchmarks/gpu_run.sh prefillprof     # issue 46 (needs install; fiinstall with vLLM 0.34):
+#     tests/gpu/test_prefill_profile_gpu.py, the GDN prefill step a ring engine adds to vLLM's memory profile
+#     (tiny checkpoint, native then patched engine), to $OUT/prefillprof.log + the arms' logs. About 2 minutes
 #   bash benchmarks/gpu_run.sh agreeu          # the same run with the other control instead: native
 #     with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0 (vLLM's general decode path) vs native, by the
 #     same criterion (how close two native kernels come), to $OUT/e2e_agreement_decisive_unpacked.json
@@ -320,6 +323,12 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
         --out "$OUT/e2e_decode_v034_$run.json" 2>&1 | tail -12 || rc=1
       for a in native patched; do gzip -c /tmp/v034e2e/$a.log > "$OUT/engines_v034_${run}_$a.log.gz" || true; done
     done
+    exit $rc ;;
+  prefillprof)  # issue 46 (see the header)
+    rc=0; export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}  # vLLM 0.34 (see v034 above)
+    python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/prefillprof tests/gpu/test_prefill_profile_gpu.py 2>&1 \
+      | tee "$OUT/prefillprof.log" | tail -8 || rc=$?
+    copy_test_logs /tmp/prefillprof
     exit $rc ;;
   qwen4exp)
     export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}  # vLLM 0.34 (see v034 above)
