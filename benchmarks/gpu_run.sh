@@ -20,7 +20,7 @@
 #     does not see), fp32 then bf16 state, to $OUT/gdn_prefill_memory_{fp32,bf16}.json. Seconds, no engine
 #   bash benchmarks/gpu_run.sh prefillprof     # issue 46 (needs install; fiinstall with vLLM 0.34):
 #     tests/gpu/test_prefill_profile_gpu.py, the GDN prefill step a ring engine adds to vLLM's memory profile
-#     (tiny checkpoint, native then patched engine), to $OUT/prefillprof.log + the arms' logs. About 2 minutes
+#     (tiny checkpoint, native then patched engine), to $OUT/prefillprof.log + the arms' logs. More than the 160 s it had on an H100 (vLLM 0.34): give it 5 minutes
 #   bash benchmarks/gpu_run.sh agreeu          # the same run with the other control instead: native
 #     with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0 (vLLM's general decode path) vs native, by the
 #     same criterion (how close two native kernels come), to $OUT/e2e_agreement_decisive_unpacked.json
