@@ -5,16 +5,18 @@ A tiny decisive Qwen3.5 checkpoint (GDN heads of 128), two arms in their own pro
 `gpu_memory_utilization`: native, and patched (ring 8, min_batch 1, strict, poisoned rings). The
 patched engine must log the step (the profile's tokens over `max_num_seqs` sequences) and size its
 KV cache smaller than native's by at least the step's own memory less native's profiled peak
-activation (measured here, in this process, through the same function and vLLM's FLA op on the
-same shapes); its tokens must still meet the agreement criterion against native's.
+activation (measured here, in this process, by benchmarks/gdn_prefill_memory.py on the same
+shapes); its tokens must still meet the agreement criterion against native's.
 
 vLLM >= 0.33 on CUDA (`bash benchmarks/gpu_run.sh prefillprof`); skipped elsewhere.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -34,34 +36,23 @@ ENGINE = dict(gpu_engines.ENGINE, max_num_seqs=SEQS, max_num_batched_tokens=TOKE
 GRAPHS_WITH_GDN = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}  # vLLM 0.34 on the GPU hosts' torch (gpu_run.sh)
 KV_MEMORY = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 PEAK = re.compile(r"([\d.]+) GiB for peak activation")
+BENCHMARKS = Path(__file__).parent.parent.parent / "benchmarks"
 
 
 def _step_gib(model: str) -> float:
-    """What prefill_profile.prefill_step holds above its input for the checkpoint's GDN layer."""
+    """What prefill_profile.prefill_step holds above its input for the checkpoint's GDN layer, as
+    benchmarks/gdn_prefill_memory.py measures it (the autotuner's first tries out of the way first)."""
     import json
 
-    import torch
-
-    from replayssm_patch.vllm.prefill_profile import prefill_step
-
+    spec = importlib.util.spec_from_file_location("gdn_prefill_memory", BENCHMARKS / "gdn_prefill_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     cfg = json.load(open(f"{model}/config.json"))
     cfg = cfg.get("text_config", cfg)
-    hk, hv, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
-                      cfg["linear_value_head_dim"])
-    try:
-        from vllm.third_party.flash_linear_attention.ops import chunk_gated_delta_rule
-    except ImportError:
-        from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
-    qkv = torch.randn(TOKENS, 2 * hk * dk + hv * dv, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    prefill_step(chunk_gated_delta_rule, qkv, (hk, hv), (hv, dv, dk), torch.float32, SEQS)
-    torch.cuda.synchronize()
-    held = torch.cuda.max_memory_allocated() - before
-    del qkv
-    torch.cuda.empty_cache()
-    return held / 2**30
+    hk, hv, d = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"]
+    assert cfg["linear_value_head_dim"] == d, cfg  # the benchmark's layer has one head dim
+    bench.measure(64, 1, hk, hv, d, "float32")
+    return bench.measure(TOKENS, SEQS, hk, hv, d, "float32")["peak_above_inputs_gib"]
 
 
 def test_the_ring_engine_profiles_a_whole_prefill_step(tmp_path):
