@@ -20,7 +20,7 @@
 #     does not see), fp32 then bf16 state, to $OUT/gdn_prefill_memory_{fp32,bf16}.json. Seconds, no engine
 #   bash benchmarks/gpu_run.sh prefillprof     # issue 46 (needs install; fiinstall with vLLM 0.34):
 #     tests/gpu/test_prefill_profile_gpu.py, the GDN prefill step a ring engine adds to vLLM's memory profile
-#     (tiny checkpoint, native then patched engine), to $OUT/prefillprof.log + the arms' logs. More than the 160 s it had on an H100 (vLLM 0.34): give it 5 minutes
+#     (tiny checkpoint, native then patched engine), to $OUT/prefillprof.log + the arms' logs. Two engine starts: start it with `bg`
 #   bash benchmarks/gpu_run.sh agreeu          # the same run with the other control instead: native
 #     with VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0 (vLLM's general decode path) vs native, by the
 #     same criterion (how close two native kernels come), to $OUT/e2e_agreement_decisive_unpacked.json
@@ -317,7 +317,7 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
   v034e2e)  # issue 47 (see the header)
     rc=0; export VLLM_USE_BREAKABLE_CUDAGRAPH=${VLLM_USE_BREAKABLE_CUDAGRAPH:-0}
     for run in plain mtp3; do
-      # an H100's 0.47 holds these batches in both engines (at 0.45 native holds 137 plain, 62 at MTP T=3)
+      # batches both engines of an H100 hold at once at 0.47 (at 0.45 they did not: benchmarks/results/vllm034/README.md)
       case $run in plain) extra=(--batches "${BATCHES:-64,128}") ;; *) extra=(--mtp 3 --batches "${MTP_BATCHES:-32}") ;; esac
       python3 benchmarks/e2e_decode.py "${extra[@]}" --gpu-util 0.47 --pairs 3 --state-dtype float32 --workdir /tmp/v034e2e \
         --out "$OUT/e2e_decode_v034_$run.json" 2>&1 | tail -12 || rc=1
