@@ -11,6 +11,10 @@
   and its dense bf16 matrix rate.
 * `rule`: the predicted end-to-end gain the ring must reach before it serves plain decode by
   default, with the end-to-end results that set it (docs/performance.md explains the choice).
+* `prefill_step`: what the GDN prefill step a ring engine adds to vLLM's memory profile
+  (replayssm_patch/vllm/prefill_profile.py) holds, per state dtype, as a line through the measured
+  step's ends: bytes per token in units of the layer's q/k/v bytes per token, and bytes per further
+  sequence in units of one sequence's state. Source: gdn_prefill_memory.py's runs of that function.
 
 Nothing here runs a GPU; the numbers come from the files named in the output.
 """
@@ -36,6 +40,9 @@ ACTIVATION_SHARE = 0.1
 # vLLM's default config) that set the rule's threshold: the smallest 5% step above the predicted
 # gain of every cell that measured slower than native, so that no measured loss would have been
 # served by default.
+# benchmarks/gdn_prefill_memory.py, per state dtype: the prefill step over 1..N sequences
+PREFILL_STEP = {"fp32": "gdn_prefill_memory_h100_2026-12-07/vllm033/gdn_prefill_memory_fp32.json",
+                "bf16": "gdn_prefill_memory_h100_2026-12-07/vllm033/gdn_prefill_memory_bf16.json"}
 CALIBRATION = ["e2e_fp32_2026-12-05/e2e_decode_fp32.json", "e2e_fp32_h100_2026-12-05/e2e_decode_fp32_b64.json",
                "e2e_control_h100_2026-12-05/e2e_fp32.json", "e2e_bf16_2026-12-03/e2e_decode_bf16.json",
                "e2e_bf16_h100_2026-12-05/e2e_decode_bf16.json"]
@@ -84,12 +91,33 @@ def calibration(curves: dict, bandwidth: float) -> tuple[float, list[dict]]:
             facts = payoff.facts_from_hf_config(
                 SimpleNamespace(**CONFIG_9B), tp=1, weight_bytes_per_param=2, activation_bytes=2,
                 kv_bytes_per_element=2, state_bytes_per_slot=32 * 128 * 128 * ELEMENT[state],
-                max_num_seqs=int(batch), max_model_len=max_len, memory_bytes=0, align=True)
+                max_num_seqs=int(batch), max_num_batched_tokens=16384, max_model_len=max_len, memory_bytes=0,
+                align=True)
             gain = payoff.predicted_gain(facts, state, state, int(batch), measured)
             cells.append({"file": name, "state": state, "batch": int(batch), "predicted_gain": round(gain, 4),
                           "measured_speedup": round(cell["speedup"], 4)})
     worst = max(c["predicted_gain"] for c in cells if c["measured_speedup"] < 1)
     return math.floor(worst / 0.05 + 1) * 0.05, cells
+
+
+def prefill_step() -> dict:
+    """Per state dtype, the step's bytes as `per_token` x tokens x q/k/v bytes per token + `per_sequence`
+    x (sequences - 1) x state bytes: the line through the runs' fewest and most sequences, above every
+    point between them (the measured step grows faster with the sequences where they get short)."""
+    out = {}
+    for state, name in PREFILL_STEP.items():
+        d = json.load(open(os.path.join(RESULTS, name)))
+        g = d["gdn"]
+        qkv_token = (2 * g["key_heads"] + g["value_heads"]) * g["head_dim"] * 2  # the model's bf16 activations
+        state_bytes = g["value_heads"] * g["head_dim"] ** 2 * ELEMENT[state]
+        rows = sorted(d["rows"], key=lambda r: r["seqs"])
+        first, last = rows[0], rows[-1]
+        gib = 1 << 30
+        per_token = first["peak_above_inputs_gib"] * gib / first["tokens"] / qkv_token
+        per_seq = (last["peak_above_inputs_gib"] - first["peak_above_inputs_gib"]) * gib / (last["seqs"] - first["seqs"]) / state_bytes
+        out[state] = {"per_token": round(per_token, 3), "per_sequence": round(per_seq, 3), "source": name,
+                      "gpu": d["gpu"], "vllm": d["versions"]["vllm"]}
+    return out
 
 
 def main() -> None:
@@ -106,6 +134,7 @@ def main() -> None:
                    "matmul_tflops": MATMUL_TFLOPS},
         "rule": {"min_predicted_gain": round(threshold, 2), "calibration": cells,
                  "activation_share": ACTIVATION_SHARE},
+        "prefill_step": prefill_step(),
         "made_by": "benchmarks/make_plan_tables.py",
     }
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

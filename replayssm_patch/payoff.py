@@ -14,7 +14,8 @@ results). The rule, per decode batch b:
 The model assumes the GPU is what the step waits on, so gain(b) is an upper bound; the ring
 serves plain decode from the smallest batch from which every gain(b) up to max_num_seqs reaches
 the table's `min_predicted_gain` (set from end-to-end runs: docs/performance.md), and only if the
-engine still holds max_num_seqs requests of max_model_len tokens with the ring's pages.
+engine still holds max_num_seqs requests of max_model_len tokens with the ring's pages and the
+GDN prefill step its memory profile adds (`prefill_step_bytes`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ModelFacts:
     state_bytes_per_slot: int  # one GDN layer's SSM state, one cache slot
     conv_bytes_per_slot: int
     kv_bytes_per_token: int  # one attention layer, K and V
+    qkv_bytes_per_token: int  # one GDN layer's q/k/v in-projection output for one token
     weight_bytes: int  # every weight, as stored
     dense_weight_bytes: int  # read every step whatever the batch (all but the routed experts)
     expert_bytes: int  # one routed expert of one layer
@@ -53,6 +55,7 @@ class ModelFacts:
     moe_layers: int
     active_params: int  # multiply-adds per token
     max_num_seqs: int
+    max_num_batched_tokens: int
     max_model_len: int
     memory_bytes: int  # what the engine may use: gpu_memory_utilization x the GPU's memory
     align: bool  # prefix caching in align mode (two state pages per request)
@@ -67,7 +70,8 @@ class ModelFacts:
 
 def facts_from_hf_config(hf, *, tp: int, weight_bytes_per_param: float, activation_bytes: int,
                          kv_bytes_per_element: int, state_bytes_per_slot: int, max_num_seqs: int,
-                         max_model_len: int, memory_bytes: int, align: bool) -> ModelFacts:
+                         max_num_batched_tokens: int, max_model_len: int, memory_bytes: int,
+                         align: bool) -> ModelFacts:
     """ModelFacts of a Qwen3.5 / Qwen3-Next style config (`hf`: the text config's attributes),
     per tensor-parallel rank: parameter counts of the GDN, attention and MLP / MoE layers and the
     LM head, as stored."""
@@ -99,11 +103,12 @@ def facts_from_hf_config(hf, *, tp: int, weight_bytes_per_param: float, activati
         conv_bytes_per_slot=(2 * H * K + HV * V) // tp * (int(getattr(hf, "linear_conv_kernel_dim", 4)) - 1)
         * activation_bytes,
         kv_bytes_per_token=2 * max(kv_heads // tp, 1) * head_dim * kv_bytes_per_element,
+        qkv_bytes_per_token=(2 * H * K + HV * V) // tp * activation_bytes,
         weight_bytes=int((dense + embed + layers * experts * expert) * per_rank),
         dense_weight_bytes=int(dense * per_rank), expert_bytes=int(expert * per_rank),
         experts=experts, experts_per_token=top_k, moe_layers=layers if experts else 0,
         active_params=(dense + layers * top_k * expert) // tp, max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len, memory_bytes=memory_bytes, align=align)
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, memory_bytes=memory_bytes, align=align)
 
 
 def _interp(points: list, x: float, column: int) -> float:
@@ -156,12 +161,23 @@ def plain_decode_min_batch(facts: ModelFacts, state_dtype: str, ring_dtype: str)
     return start, best[0], best[1]
 
 
-def requests_that_fit(facts: ModelFacts, page_bytes: int) -> float:
+def prefill_step_bytes(facts: ModelFacts, state_dtype: str, seqs: int) -> float:
+    """What one GDN prefill step of max_num_batched_tokens tokens over `seqs` sequences holds above
+    its input (the step a ring engine's memory profile adds: vllm/prefill_profile.py), from the
+    table's line through the measured steps (fp16 states read bf16's)."""
+    lines = tables()["prefill_step"]
+    line = lines.get(state_dtype, lines["bf16"])
+    return (facts.max_num_batched_tokens * line["per_token"] * facts.qkv_bytes_per_token
+            + (seqs - 1) * line["per_sequence"] * facts.state_bytes_per_slot)
+
+
+def requests_that_fit(facts: ModelFacts, page_bytes: int, reserved_bytes: float = 0.0) -> float:
     """Requests of max_model_len tokens the engine holds with GDN pages of `page_bytes` (vLLM's
     hybrid allocator: attention blocks hold as many bytes as a GDN page, a request takes one
     state page per GDN layer, two with align-mode prefix caching), from the memory left after
-    the weights and the table's share of the engine's memory for activations and graphs."""
-    budget = facts.memory_bytes * (1 - tables()["rule"]["activation_share"]) - facts.weight_bytes
+    the weights, the table's share of the engine's memory for activations and graphs, and
+    `reserved_bytes` more that the engine's memory profile holds back (the ring's prefill step)."""
+    budget = facts.memory_bytes * (1 - tables()["rule"]["activation_share"]) - facts.weight_bytes - reserved_bytes
     if budget <= 0:
         return 0.0
     tokens_per_block = max(16, math.ceil(page_bytes / max(facts.kv_bytes_per_token, 1) / 16) * 16)

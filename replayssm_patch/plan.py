@@ -27,6 +27,7 @@ import torch
 
 from . import payoff, versions
 from .config import ReplayConfig
+from .vllm import prefill_profile
 
 OPT_IN, UNSUPPORTED, NOT_PAYING = "opt-in", "unsupported", "not-paying"
 SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -314,7 +315,8 @@ def model_facts(vllm_config, geometry: RingGeometry, memory_bytes: int) -> payof
         activation_bytes=_size(mc.dtype),
         kv_bytes_per_element=1 if str(getattr(cc, "cache_dtype", "auto")).startswith("fp8") else _size(mc.dtype),
         state_bytes_per_slot=geometry.state_bytes_per_slot, max_num_seqs=sc.max_num_seqs,
-        max_model_len=mc.max_model_len, memory_bytes=int(memory_bytes * cc.gpu_memory_utilization),
+        max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=mc.max_model_len,
+        memory_bytes=int(memory_bytes * cc.gpu_memory_utilization),
         align=getattr(cc, "mamba_cache_mode", "none") == "align")
 
 
@@ -336,7 +338,7 @@ def _plain_decision(vllm_config, config: ReplayConfig, geometry: RingGeometry, p
         return None, [Reason(NOT_PAYING, f"plain decode stays native: the ring's predicted gain peaks at {best:.1%} "
                                          f"(batch {at}), below the {need:.0%} the plan asks for (payoff)")], ""
     native_fit = payoff.requests_that_fit(facts, geometry.state_bytes_per_slot + facts.conv_bytes_per_slot)
-    ring_fit = _ring_requests_that_fit(facts, geometry)
+    ring_fit = _ring_requests_that_fit(facts, geometry, platform)
     if ring_fit < facts.max_num_seqs:
         return None, [Reason(NOT_PAYING, f"plain decode stays native: with the ring's pages about {math.floor(ring_fit)} "
                                          f"requests of max_model_len={facts.max_model_len} tokens would fit (native "
@@ -344,10 +346,16 @@ def _plain_decision(vllm_config, config: ReplayConfig, geometry: RingGeometry, p
     return start, [], f"predicted gain {best:.1%} at batch {at}, room for max_num_seqs with its pages (payoff)"
 
 
-def _ring_requests_that_fit(facts: payoff.ModelFacts, geometry: RingGeometry) -> float:
-    """payoff.requests_that_fit with the ring's pages: one state slot, its convolution state and its ring."""
+def _ring_requests_that_fit(facts: payoff.ModelFacts, geometry: RingGeometry, platform: str) -> float:
+    """payoff.requests_that_fit with the ring's pages (one state slot, its convolution state and its
+    ring), less the GDN prefill step that the ring engine's memory profile holds back on CUDA
+    (vllm/prefill_profile.py)."""
+    reserved = 0.0
+    if platform == "cuda" and versions.capabilities().version >= versions.PREFILL_WARMUP_VERSION:
+        seqs = prefill_profile.profile_seqs(facts.max_num_batched_tokens, facts.max_num_seqs)
+        reserved = payoff.prefill_step_bytes(facts, _DTYPE_NAMES[geometry.state_dtype], seqs)
     return payoff.requests_that_fit(facts, geometry.state_bytes_per_slot + facts.conv_bytes_per_slot
-                                    + geometry.bytes_per_slot)
+                                    + geometry.bytes_per_slot, reserved)
 
 
 def ring_requests_that_fit(vllm_config, plan: Plan, memory_bytes: int | None) -> float | None:
@@ -355,7 +363,7 @@ def ring_requests_that_fit(vllm_config, plan: Plan, memory_bytes: int | None) ->
     holds (payoff's estimate; None without the GPU's memory or without the ring)."""
     if memory_bytes is None or plan.geometry is None:
         return None
-    return _ring_requests_that_fit(model_facts(vllm_config, plan.geometry, memory_bytes), plan.geometry)
+    return _ring_requests_that_fit(model_facts(vllm_config, plan.geometry, memory_bytes), plan.geometry, plan.platform)
 
 
 def make_plan(vllm_config, config: ReplayConfig, memory_bytes: int | None = None) -> Plan:

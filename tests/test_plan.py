@@ -46,7 +46,7 @@ def fake_config(shape="9b", **over):
         cache_config=SimpleNamespace(mamba_cache_dtype="auto", mamba_ssm_cache_dtype="float32",
                                      mamba_cache_mode="align", gpu_memory_utilization=0.9, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        scheduler_config=SimpleNamespace(max_num_seqs=256),
+        scheduler_config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=16384),
         speculative_config=None, lora_config=None, kv_transfer_config=None,
     )
     for path, value in over.items():
@@ -330,6 +330,8 @@ def test_plan_log_lines_and_strict_mode(on_cuda, monkeypatch, caplog, clean_patc
 
 
 CAPACITY_RUNS = ("capacity_9b_h100_2026-12-06/capacity_t3.json", "capacity_9b_h100_2026-12-06/capacity_t7.json",
+                 "capacity_9b_profile_h100_2026-12-07/capacity_t3.json",
+                 "capacity_9b_profile_h100_2026-12-07/capacity_t7.json",
                  "capacity_moe_h100_2026-12-06/capacity_t3.json", "capacity_moe_h100_2026-12-06/capacity_t7.json")
 
 
@@ -341,7 +343,7 @@ def test_ring_verify_graphs_cover_the_requests_measured_engines_held(run, on_cud
     import json
     from pathlib import Path
 
-    from replayssm_patch.vllm.graph_sizes import graphed_requests
+    from replayssm_patch.vllm.graph_sizes import FIT_MARGIN, graphed_requests
 
     data = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / run).read_text())
     cfg_run, ring = data["config"], data["engines"]["ring"]
@@ -356,3 +358,41 @@ def test_ring_verify_graphs_cover_the_requests_measured_engines_held(run, on_cud
     fit = plan.ring_requests_that_fit(cfg, p, memory)
     assert graphed_requests(seqs, fit) >= min(seqs, ring["max_concurrency"]), (fit, ring["max_concurrency"])
     assert fit < 3 * ring["max_concurrency"]  # an estimate, not a bound that never binds
+    if "profile" in run:  # engines whose memory profile held the GDN prefill step back, as the estimate does
+        assert ring["max_concurrency"] / FIT_MARGIN <= fit <= ring["max_concurrency"] * FIT_MARGIN, (
+            fit, ring["max_concurrency"])
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16"])
+def test_prefill_step_estimate_covers_the_measured_steps(state):
+    """payoff's line for the ring's profiled prefill step meets the measured step at its ends and
+    stays at or above it between them (benchmarks/results/gdn_prefill_memory_h100_2026-12-07/)."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "gdn_prefill_memory_h100_2026-12-07"
+                       / "vllm033" / f"gdn_prefill_memory_{state}.json").read_text())
+    g = data["gdn"]
+    el = 4 if state == "fp32" else 2
+    for row in data["rows"]:
+        facts = SimpleNamespace(max_num_batched_tokens=row["tokens"], max_num_seqs=row["seqs"],
+                                qkv_bytes_per_token=(2 * g["key_heads"] + g["value_heads"]) * g["head_dim"] * 2,
+                                state_bytes_per_slot=g["value_heads"] * g["head_dim"] ** 2 * el)
+        estimate = payoff.prefill_step_bytes(facts, state, row["seqs"]) / GIB
+        assert row["peak_above_inputs_gib"] - 0.01 <= estimate <= row["peak_above_inputs_gib"] * 1.1, (row, estimate)
+
+
+def test_ring_fit_holds_the_prefill_step_back_on_cuda_only(on_cuda):
+    """On CUDA (vLLM >= 0.33) the ring engine's profile holds back one prefill step of
+    max_num_batched_tokens over min(max_num_seqs, tokens) sequences: the estimate of the requests
+    that fit drops by that much memory; on CPU nothing is held back."""
+    cfg = mtp(3, **{"scheduler_config.max_num_seqs": 512})
+    geometry = plan.RingGeometry(16, 32, 128, 128, 16, torch.float32, torch.float32)
+    facts = plan.model_facts(cfg, geometry, 80 * GIB)
+    page = geometry.state_bytes_per_slot + facts.conv_bytes_per_slot + geometry.bytes_per_slot
+    step = payoff.prefill_step_bytes(facts, "fp32", 512)
+    assert 3 * GIB < step < 4 * GIB  # 16384 tokens over 512 sequences of the 9B layer, fp32 state
+    assert plan._ring_requests_that_fit(facts, geometry, "cuda") == pytest.approx(
+        payoff.requests_that_fit(facts, page, step))
+    assert plan._ring_requests_that_fit(facts, geometry, "cpu") == pytest.approx(payoff.requests_that_fit(facts, page))
+    assert payoff.requests_that_fit(facts, page, step) < payoff.requests_that_fit(facts, page)
