@@ -7,7 +7,12 @@ decode on the ring (`plan_min_batch`; None: native at every batch). A cell is on
 batch size; the rule chose the ring for it where `plan_min_batch` <= batch. Where the rule keeps
 native, both arms run the same kernels and the cell's ratio shows the harness's own spread.
 
-    python benchmarks/e2e_auto.py 9b.json 4b.json moe.json --out e2e_auto.json
+A shape may come in several runs whose batches do not overlap. e2e_decode.py sets `max_num_seqs`
+to a run's largest batch, and the rule weighs the ring's pages against `max_num_seqs`. A run of
+batches up to 256 is therefore an engine of vLLM's usual 256 sequences, while batch 512 needs an
+engine of its own. Each cell keeps its own run's decision and `max_num_seqs`.
+
+    python benchmarks/e2e_auto.py 9b.json 4b.json 4b_512.json moe.json --out e2e_auto.json
 
 The summary: `min_speedup_ring_cells` (the smallest median pair ratio over the cells where the
 rule chose the ring; None where it chose none), `min_speedup` (over all cells), `speedup_4b_b256`
@@ -29,21 +34,26 @@ def cells(run: dict, path: str) -> list[dict]:
         raise SystemExit(f"{path}: not a plain-decode run at --min-batch auto (min_batch "
                          f"{cfg.get('min_batch')!r}, control {cfg.get('control')}, mtp {cfg.get('mtp')})")
     first = run["engines"]["patched"].get("plan_min_batch")
+    max_num_seqs = max(int(b) for b in run["table"])  # e2e_decode.py: the run's largest batch
     rows = []
     for batch, row in sorted(run["table"].items(), key=lambda kv: int(kv[0])):
         b = int(batch)
-        rows.append({"shape": cfg["shape"], "batch": b, "speedup": row["speedup"], "speedup_min": row["speedup_min"],
-                     "speedup_max": row["speedup_max"], "pairs": len(row["pair_speedups"]),
-                     "ring": first is not None and b >= first})
+        rows.append({"shape": cfg["shape"], "batch": b, "max_num_seqs": max_num_seqs, "speedup": row["speedup"],
+                     "speedup_min": row["speedup_min"], "speedup_max": row["speedup_max"],
+                     "pairs": len(row["pair_speedups"]), "ring": first is not None and b >= first,
+                     "plan_min_batch": first})
     return rows
 
 
 def summarize(runs: list[tuple[str, dict]]) -> dict:
     """The summary and every cell of `runs` ((path, e2e_decode result) each)."""
-    shapes = [run["config"]["shape"] for _, run in runs]
-    if len(set(shapes)) != len(shapes):
-        raise SystemExit(f"one run per shape (got {shapes}): merge a shape's runs with e2e_decode.py --merge first")
     rows = [row for path, run in runs for row in cells(run, path)]
+    cell_names = [f"{r['shape']} b{r['batch']}" for r in rows]
+    twice = sorted({c for c in cell_names if cell_names.count(c) > 1})
+    if twice:
+        raise SystemExit(f"one run per cell (got {', '.join(twice)} twice): merge a configuration's runs with "
+                         "e2e_decode.py --merge first")
+    shapes = sorted({r["shape"] for r in rows})
     ring = [r for r in rows if r["ring"]]
     at_4b_256 = [r["speedup"] for r in rows if r["shape"] == "4b" and r["batch"] == 256]
     summary = {
@@ -51,7 +61,7 @@ def summarize(runs: list[tuple[str, dict]]) -> dict:
         "min_speedup": min(r["speedup"] for r in rows),
         "speedup_4b_b256": at_4b_256[0] if at_4b_256 else None,
         "ring_cells": [f"{r['shape']} b{r['batch']}" for r in ring],
-        "plan_min_batch": {run["config"]["shape"]: run["engines"]["patched"].get("plan_min_batch") for _, run in runs},
+        "plan_min_batch": {f"{r['shape']} max_num_seqs {r['max_num_seqs']}": r["plan_min_batch"] for r in rows},
         "pairs": min(r["pairs"] for r in rows),
         "shapes": shapes,
         "gpu": sorted({str(run.get("gpu")) for _, run in runs}),
@@ -65,7 +75,8 @@ def summarize(runs: list[tuple[str, dict]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", metavar="JSON", help="e2e_decode.py results at --min-batch auto, one per shape")
+    ap.add_argument("runs", nargs="+", metavar="JSON",
+                    help="e2e_decode.py results at --min-batch auto (a shape's runs: batches that do not overlap)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     result = summarize([(path, json.load(open(path))) for path in args.runs])

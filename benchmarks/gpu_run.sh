@@ -59,10 +59,12 @@
 #
 #   bash benchmarks/gpu_run.sh e2eauto [ARGS]  # issue #46 (needs install): plain decode with the default options
 #     (e2e_decode.py --min-batch auto: the plan's rule decides), fp32 state, vLLM's default config, shapes $SHAPES
-#     (default "4b moe 9b"; moe at --moe-layers 20 --moe-experts 128, or $MOE_ARGS), batches $BATCHES (default
-#     1-512), $PAIRS pairs (default 5), then benchmarks/e2e_auto.py's summary; to $OUT/e2e_auto_{SHAPE}.json + logs,
-#     $OUT/e2e_auto.json. A run stops where an engine cannot hold the largest batch (two 9b engines hold 512 on
-#     an H200 only: BATCHES=1,16,64,128 there on an H100). Several sessions' worth: one shape a session with SHAPES.
+#     (default "4b moe 9b"; moe at --moe-layers 20 --moe-experts 128, or $MOE_ARGS), $PAIRS pairs (default 5), per
+#     shape two engine pairs: batches $BATCHES (default 1,16,64,128,256: max_num_seqs 256) and $BATCHES_WIDE
+#     (default 512, its own max_num_seqs; empty: left out), then benchmarks/e2e_auto.py's summary; to
+#     $OUT/e2e_auto_{SHAPE,SHAPE_wide}.json + logs, $OUT/e2e_auto.json. A run stops where an engine cannot hold its
+#     largest batch (two 9b engines hold 512 on an H200 only: BATCHES_WIDE="" BATCHES=1,16,64,128 there on an
+#     H100). Several sessions' worth: one shape a session with SHAPES.
 #
 #   bash benchmarks/gpu_run.sh qwen4exp        # issue 47 (needs install and fiinstall: vLLM's Qwen4Exp model runs
 #     CuTe DSL kernels, which need cutlass; without it the native engine fails): tests/gpu/test_qwen4exp_gpu.py, the tiny
@@ -255,12 +257,17 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
     for shape in ${SHAPES:-4b moe 9b}; do
       # the MoE shape scaled down so that two engines fit (MOE_ARGS overrides)
       extra=(); [ "$shape" = moe ] && extra=(${MOE_ARGS:---moe-layers 20 --moe-experts 128})
-      f="$OUT/e2e_auto_$shape.json"
-      python3 benchmarks/e2e_decode.py --shape "$shape" "${extra[@]}" --min-batch auto --state-dtype float32 \
-        --batches "${BATCHES:-1,16,64,128,256,512}" --pairs "${PAIRS:-5}" --out "$f" --workdir "/tmp/e2e_auto_$shape" \
-        "$@" 2>&1 | tee "$OUT/e2e_auto_$shape.log" | tail -12 || rc=1
-      for a in native patched; do gzip -c "/tmp/e2e_auto_$shape/$a.log" > "$OUT/e2e_auto_engines_${shape}_$a.log.gz" || true; done
-      [ -f "$f" ] && runs+=("$f")
+      # two engine pairs per shape: max_num_seqs is a run's largest batch, and the rule weighs the ring's
+      # pages against it (BATCHES_WIDE="" leaves the second out)
+      for batches in "${BATCHES:-1,16,64,128,256}" ${BATCHES_WIDE-512}; do
+        tag=$shape; [ "$batches" = "${BATCHES:-1,16,64,128,256}" ] || tag=${shape}_wide
+        f="$OUT/e2e_auto_$tag.json"
+        python3 benchmarks/e2e_decode.py --shape "$shape" "${extra[@]}" --min-batch auto --state-dtype float32 \
+          --batches "$batches" --pairs "${PAIRS:-5}" --out "$f" --workdir "/tmp/e2e_auto_$tag" \
+          "$@" 2>&1 | tee "$OUT/e2e_auto_$tag.log" | tail -12 || rc=1
+        for a in native patched; do gzip -c "/tmp/e2e_auto_$tag/$a.log" > "$OUT/e2e_auto_engines_${tag}_$a.log.gz" || true; done
+        [ -f "$f" ] && runs+=("$f")
+      done
     done
     [ ${#runs[@]} -gt 0 ] && { python3 benchmarks/e2e_auto.py "${runs[@]}" --out "$OUT/e2e_auto.json" || rc=1; }
     exit $rc ;;

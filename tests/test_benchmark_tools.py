@@ -822,22 +822,28 @@ def _auto_run(shape, plan_min_batch, ratios_by_batch, min_batch="auto"):
 
 
 def test_e2e_auto_summary_over_shapes_and_the_rules_cells():
-    """The ring's cells are those at or above the batch the patched engine's log named; the
-    smallest median over them and over all cells, 4b at 256, the fewest pairs; a run not at
-    --min-batch auto, or two runs of one shape, are refused."""
+    """The ring's cells are those at or above the batch the patched engine's log named, per run (a
+    shape's batch 512 may come from an engine of its own); the smallest median over them and over
+    all cells, 4b at 256, the fewest pairs; a run not at --min-batch auto, or a cell in two runs,
+    are refused."""
     mod = _load("e2e_auto")
     five = [1.0, 0.99, 1.01, 0.98, 1.02]
     runs = [("9b.json", _auto_run("9b", None, {1: five, 256: [0.97, 0.98, 0.99, 1.0, 1.0]})),
             ("4b.json", _auto_run("4b", 128, {64: five, 128: [1.05] * 5, 256: [1.06, 1.07, 1.08, 1.09, 1.1]})),
+            ("4b_512.json", _auto_run("4b", None, {512: [0.97, 0.98, 1.0, 1.01, 1.02]})),
             ("moe.json", _auto_run("moe", 256, {256: [1.02, 1.03, 1.04], 512: [1.1] * 5}))]
-    s = mod.summarize(runs)["summary"]
-    assert s["ring_cells"] == ["4b b128", "4b b256", "moe b256", "moe b512"]
+    result = mod.summarize(runs)
+    s = result["summary"]
+    assert s["ring_cells"] == ["4b b128", "4b b256", "moe b256", "moe b512"]  # 4b at 512: its engine stayed native
     assert s["min_speedup_ring_cells"] == 1.03 and s["min_speedup"] == 0.99 and s["speedup_4b_b256"] == 1.08
-    assert s["pairs"] == 3 and s["plan_min_batch"] == {"9b": None, "4b": 128, "moe": 256}
+    assert s["pairs"] == 3 and s["shapes"] == ["4b", "9b", "moe"]
+    assert s["plan_min_batch"] == {"9b max_num_seqs 256": None, "4b max_num_seqs 256": 128,
+                                   "4b max_num_seqs 512": None, "moe max_num_seqs 512": 256}
+    assert [c["max_num_seqs"] for c in result["cells"] if c["shape"] == "4b"] == [256, 256, 256, 512]
     assert mod.summarize(runs[:1])["summary"]["min_speedup_ring_cells"] is None
     with pytest.raises(SystemExit, match="min-batch auto"):
         mod.summarize([("x.json", _auto_run("9b", 1, {1: five}, min_batch="1"))])
-    with pytest.raises(SystemExit, match="one run per shape"):
+    with pytest.raises(SystemExit, match="9b b1, 9b b256 twice"):
         mod.summarize(runs[:1] * 2)
 
 

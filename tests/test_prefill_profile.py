@@ -116,7 +116,9 @@ def vllm_warmup(monkeypatch):
     return calls
 
 
-def test_a_cuda_ring_layer_profiles_one_whole_prefill_step_once(vllm_warmup, clean_patch_state):
+def test_a_cuda_ring_layer_profiles_one_whole_prefill_step_once(vllm_warmup, clean_patch_state, monkeypatch):
+    peaks = iter([10 << 30, 12.5 * (1 << 30)])  # the profile's peak before and after the step
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(peaks))
     layer = profile_layer("cuda")
     z = 5  # the output gate's columns, which 0.34's fused paths pass along (v_dim)
     qkvz = torch.randn(20, (2 * HK + HV) * D + z).to(torch.bfloat16)
@@ -127,7 +129,8 @@ def test_a_cuda_ring_layer_profiles_one_whole_prefill_step_once(vllm_warmup, cle
     assert call["initial_state"].shape == (3, HV, D, D)  # min(max_num_seqs, 20 tokens) sequences
     assert call["cu_seqlens"].tolist() == [0, 7, 14, 20]
     assert torch.equal(call["v"].reshape(20, -1), qkvz[:, 2 * HK * D:(2 * HK + HV) * D])  # z left out
-    assert any("GDN prefill step of 20 tokens over 3 sequences" in m for m in clean_patch_state.logged)
+    assert any("GDN prefill step of 20 tokens over 3 sequences" in m and "raised the profile's peak by 2.50 GiB" in m
+               for m in clean_patch_state.logged)
 
 
 @pytest.mark.parametrize("platform,serves", [("cpu", True), ("cuda", False)])

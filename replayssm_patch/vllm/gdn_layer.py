@@ -171,6 +171,7 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         qkv = qkv_or_qkvz[:, :qkv_or_qkvz.shape[-1] - v_dim]
         tokens, seqs = qkv.shape[0], prefill_profile.profile_seqs(qkv.shape[0], self.ring_max_num_seqs)
         # (the profile's peak statistics are vLLM's: read, never reset, here)
+        peak_before = torch.cuda.max_memory_allocated()
         try:
             prefill_profile.prefill_step(self.chunk_gated_delta_rule, qkv,
                                          (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
@@ -184,9 +185,11 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
             return
         finally:
             torch.cuda.empty_cache()
+        raised = (torch.cuda.max_memory_allocated() - peak_before) / (1 << 30)
         STATE.log_once(logging.INFO, f"replayssm_patch: vLLM's memory profile includes a GDN prefill step of {tokens} "
                                      f"tokens over {seqs} sequences ({backend} prefill), which vLLM's own profile "
-                                     "leaves out")
+                                     f"leaves out: it raised the profile's peak by {raised:.2f} GiB, which the KV "
+                                     "cache gives up")
 
     # -- forward ----------------------------------------------------------------------------
     def ring_metadata(self) -> ReplayGDNAttentionMetadata | None:
