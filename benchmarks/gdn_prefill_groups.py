@@ -1,0 +1,156 @@
+"""vLLM's chunked GDN prefill op over one step's sequences, called once and called per group of
+whole sequences: whether the groups give the same outputs and final states bit for bit, and how
+much memory each way holds above its inputs.
+
+Issue 46: the ring engine's memory profile holds one prefill step of `max_num_batched_tokens` over
+up to `max_num_seqs` sequences back from the KV cache (replayssm_patch/vllm/prefill_profile.py).
+Most of that step is the op's temporaries, which grow with the tokens and with the sequences of
+one call. Groups of at most `--group-tokens` tokens and `--group-seqs` sequences (a longer
+sequence is a group of its own), each writing its outputs and final states into the step's
+buffers, would bound them, if the op computes each sequence the same way in any batch.
+
+    python benchmarks/gdn_prefill_groups.py [--tokens 16384] [--seqs 32,512] [--group-tokens 4096]
+        [--group-seqs 64] [--key-heads 16] [--value-heads 32] [--head-dim 128] [--out FILE]
+
+Sequence lengths are random (seeded), so that sub-chunk and multi-chunk sequences mix. Inputs as
+vLLM's prefill gives them to the op: q and k unit vectors per head (bf16), v bf16, g (log decay)
+and beta fp32, initial states fp32. Needs vLLM's FLA op (vLLM >= 0.33, or its .py tree on
+PYTHONPATH: `gpu_run.sh vltree`) and a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+GIB = 1 << 30
+
+
+def chunk_op():
+    try:  # vLLM >= 0.33
+        from vllm.third_party.flash_linear_attention.ops import chunk_gated_delta_rule
+    except ImportError:
+        from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
+    return chunk_gated_delta_rule
+
+
+def random_lens(tokens: int, seqs: int, gen) -> list[int]:
+    """`seqs` positive lengths summing to `tokens`, uneven."""
+    import torch
+
+    w = torch.rand(seqs, generator=gen, dtype=torch.float64) ** 3 + 0.02
+    lens = [max(1, int(tokens * x / w.sum())) for x in w.tolist()]
+    lens[-1] += tokens - sum(lens)
+    while lens[-1] < 1:  # give the last one a token back from the longest
+        i = max(range(seqs - 1), key=lambda j: lens[j])
+        lens[i] -= 1
+        lens[-1] += 1
+    return lens
+
+
+def groups(lens: list[int], max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
+    """(first, end) sequence ranges of at most max_tokens tokens and max_seqs sequences each."""
+    out, start, held = [], 0, 0
+    for i, n in enumerate(lens):
+        if i > start and (held + n > max_tokens or i - start >= max_seqs):
+            out.append((start, i))
+            start, held = i, 0
+        held += n
+    out.append((start, len(lens)))
+    return out
+
+
+def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, max_tokens: int, max_seqs: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    op, dev = chunk_op(), "cuda"
+    gen = torch.Generator().manual_seed(seqs)
+    lens = random_lens(tokens, seqs, gen)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    cu = torch.tensor(starts, dtype=torch.int32, device=dev)
+    q = F.normalize(torch.randn(1, tokens, hk, d, generator=gen), dim=-1).to(dev, torch.bfloat16)
+    k = F.normalize(torch.randn(1, tokens, hk, d, generator=gen), dim=-1).to(dev, torch.bfloat16)
+    v = torch.randn(1, tokens, hv, d, generator=gen).to(dev, torch.bfloat16)
+    g = (-F.softplus(torch.randn(1, tokens, hv, generator=gen))).to(dev)
+    beta = torch.sigmoid(torch.randn(1, tokens, hv, generator=gen)).to(dev)
+    init = (0.1 * torch.randn(seqs, hv, d, d, generator=gen)).to(dev)
+
+    def above(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, (torch.cuda.max_memory_allocated() - before) / GIB
+
+    def whole():
+        return op(q=q, k=k, v=v, g=g, beta=beta, initial_state=init.clone(), output_final_state=True,
+                  cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
+
+    plan = groups(lens, max_tokens, max_seqs)
+
+    def grouped():
+        out = torch.empty_like(v)
+        state = init.clone()  # the states vLLM gathers: each group's final states go back in place
+        for s0, s1 in plan:
+            t0, t1 = starts[s0], starts[s1]
+            o, final = op(q=q[:, t0:t1], k=k[:, t0:t1], v=v[:, t0:t1], g=g[:, t0:t1], beta=beta[:, t0:t1],
+                          initial_state=state[s0:s1], output_final_state=True, cu_seqlens=cu[s0:s1 + 1] - t0,
+                          use_qk_l2norm_in_kernel=False)
+            out[:, t0:t1] = o
+            state[s0:s1] = final
+            del o, final
+        return out, state
+
+    whole()  # compile and tune both call shapes first
+    grouped()
+    (o_whole, f_whole), gib_whole = above(whole)
+    (o_groups, f_groups), gib_groups = above(grouped)
+    return {"tokens": tokens, "seqs": seqs, "min_len": min(lens), "max_len": max(lens), "groups": len(plan),
+            "outputs_identical": bool(torch.equal(o_whole, o_groups)),
+            "final_states_identical": bool(torch.equal(f_whole, f_groups)),
+            "output_max_abs_diff": float((o_whole.float() - o_groups.float()).abs().max()),
+            "final_state_max_abs_diff": float((f_whole - f_groups).abs().max()),
+            "whole_above_inputs_gib": gib_whole, "groups_above_inputs_gib": gib_groups}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--seqs", default="32,512", help="sequence counts, comma-separated")
+    ap.add_argument("--group-tokens", type=int, default=4096)
+    ap.add_argument("--group-seqs", type=int, default=64)
+    ap.add_argument("--key-heads", type=int, default=16)
+    ap.add_argument("--value-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--out", default="gdn_prefill_groups.json")
+    a = ap.parse_args()
+    try:
+        seqs = [int(x) for x in a.seqs.split(",")]
+        assert seqs and all(0 < n <= a.tokens for n in seqs)
+    except (ValueError, AssertionError):
+        ap.error(f"--seqs: positive sequence counts up to --tokens, comma-separated (got {a.seqs!r})")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gdn_prefill_groups.py needs a CUDA GPU")
+    rows = []
+    for n in seqs:
+        rows.append(measure(a.tokens, n, a.key_heads, a.value_heads, a.head_dim, a.group_tokens, a.group_seqs))
+        print(f"[prefill groups] {json.dumps(rows[-1])}", flush=True)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "gdn": {"key_heads": a.key_heads, "value_heads": a.value_heads, "head_dim": a.head_dim},
+              "group_tokens": a.group_tokens, "group_seqs": a.group_seqs, "rows": rows}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"[prefill groups] wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
