@@ -351,7 +351,7 @@ def _ring_requests_that_fit(facts: payoff.ModelFacts, geometry: RingGeometry, pl
     ring), less the GDN prefill step that the ring engine's memory profile holds back on CUDA
     (vllm/prefill_profile.py)."""
     reserved = 0.0
-    if platform == "cuda" and versions.capabilities().version >= versions.PREFILL_WARMUP_VERSION:
+    if platform == "cuda":
         seqs = prefill_profile.profile_seqs(facts.max_num_batched_tokens, facts.max_num_seqs)
         reserved = payoff.prefill_step_bytes(facts, _DTYPE_NAMES[geometry.state_dtype], seqs)
     return payoff.requests_that_fit(facts, geometry.state_bytes_per_slot + facts.conv_bytes_per_slot

@@ -56,9 +56,6 @@ MTP_CUDA_MIN_VERSION = Version("0.32")  # the CUDA MTP routing is written for vL
 MRV2_ONLY_VERSION = Version("0.34")  # vLLM's V1 model runner is gone (and use_v2_model_runner with it)
 # vLLM's FlashInfer GDN prefill writes align-mode checkpoints inside a prefill chunk from here on
 GDN_PREFILL_CHECKPOINT_VERSION = Version("0.33")
-# vLLM's GDN layer warms its prefill kernels in the memory profile (`_warmup_prefill_kernels`) from here
-# on: a ring layer adds its GDN prefill step there (vllm/prefill_profile.py)
-PREFILL_WARMUP_VERSION = Version("0.33")
 # MTP through the ring (prefix caching off) agreed with native on a GPU in these releases
 # (benchmarks/gpu_run.sh mtp: e2e_agreement.py --mtp 3 and 7, benchmarks/results/e2e_agreement_mtp{3,7}.json);
 # elsewhere on CUDA the plan keeps MTP native unless asked for

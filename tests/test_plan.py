@@ -383,7 +383,7 @@ def test_prefill_step_estimate_covers_the_measured_steps(state):
 
 
 def test_ring_fit_holds_the_prefill_step_back_on_cuda_only(on_cuda):
-    """On CUDA (vLLM >= 0.33) the ring engine's profile holds back one prefill step of
+    """On CUDA the ring engine's profile holds back one prefill step of
     max_num_batched_tokens over min(max_num_seqs, tokens) sequences: the estimate of the requests
     that fit drops by that much memory; on CPU nothing is held back."""
     cfg = mtp(3, **{"scheduler_config.max_num_seqs": 512})

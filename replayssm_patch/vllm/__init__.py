@@ -219,7 +219,7 @@ POINTS = (
                                      "max_query_len", "validate_data"])),)),
     PatchPoint(
         "call", QWEN_GDN_MODULE, f"{LAYER_CLASS}._warmup_prefill_kernels (memory profile)",
-        "replayssm_patch.vllm.prefill_profile:prefill_step", platform="cuda", vllm_versions=">=0.33",
+        "replayssm_patch.vllm.prefill_profile:prefill_step", platform="cuda",
         what="a ring layer's profile forward also runs one whole GDN prefill step of the profile's tokens",
         why="vLLM's memory profile skips the GDN core, so a prefill step's temporaries were memory the engine "
             "held beyond the budget it was given",

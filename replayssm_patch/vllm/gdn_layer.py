@@ -156,7 +156,7 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
 
     # -- memory profile -----------------------------------------------------------------------
     def _warmup_prefill_kernels(self, qkv_or_qkvz: torch.Tensor, v_dim: int) -> None:
-        """vLLM's warmup in the profile forward (vLLM >= 0.33), then, once, on CUDA, a whole
+        """vLLM's warmup in the profile forward, then, once, on CUDA, a whole
         prefill step of the profile's tokens, so that the KV cache is sized without its memory
         (prefill_profile)."""
         first = not getattr(self, "_prefill_kernels_warmed_up", False)
