@@ -36,13 +36,13 @@ MATMUL_TFLOPS = 790.0
 # The share of an engine's memory the concurrency estimate leaves to activations and CUDA graphs
 # (vLLM profiles them at start; the plan is made before that).
 ACTIVATION_SHARE = 0.1
+# benchmarks/gdn_prefill_memory.py, per state dtype: the prefill step over 1..N sequences
+PREFILL_STEP = {"fp32": "gdn_prefill_memory_h100_2026-12-07/vllm033/gdn_prefill_memory_fp32.json",
+                "bf16": "gdn_prefill_memory_h100_2026-12-07/vllm033/gdn_prefill_memory_bf16.json"}
 # The end-to-end runs of plain decode through the ring at every batch (e2e_decode.py, 9B shape,
 # vLLM's default config) that set the rule's threshold: the smallest 5% step above the predicted
 # gain of every cell that measured slower than native, so that no measured loss would have been
 # served by default.
-# benchmarks/gdn_prefill_memory.py, per state dtype: the prefill step over 1..N sequences
-PREFILL_STEP = {"fp32": "gdn_prefill_memory_h100_2026-12-07/vllm033/gdn_prefill_memory_fp32.json",
-                "bf16": "gdn_prefill_memory_h100_2026-12-07/vllm033/gdn_prefill_memory_bf16.json"}
 CALIBRATION = ["e2e_fp32_2026-12-05/e2e_decode_fp32.json", "e2e_fp32_h100_2026-12-05/e2e_decode_fp32_b64.json",
                "e2e_control_h100_2026-12-05/e2e_fp32.json", "e2e_bf16_2026-12-03/e2e_decode_bf16.json",
                "e2e_bf16_h100_2026-12-05/e2e_decode_bf16.json"]
@@ -92,7 +92,7 @@ def calibration(curves: dict, bandwidth: float) -> tuple[float, list[dict]]:
                 SimpleNamespace(**CONFIG_9B), tp=1, weight_bytes_per_param=2, activation_bytes=2,
                 kv_bytes_per_element=2, state_bytes_per_slot=32 * 128 * 128 * ELEMENT[state],
                 max_num_seqs=int(batch), max_num_batched_tokens=16384, max_model_len=max_len, memory_bytes=0,
-                align=True)
+                align=True)  # (the gain reads neither the token budget nor the memory)
             gain = payoff.predicted_gain(facts, state, state, int(batch), measured)
             cells.append({"file": name, "state": state, "batch": int(batch), "predicted_gain": round(gain, 4),
                           "measured_speedup": round(cell["speedup"], 4)})
@@ -114,7 +114,8 @@ def prefill_step() -> dict:
         first, last = rows[0], rows[-1]
         gib = 1 << 30
         per_token = first["peak_above_inputs_gib"] * gib / first["tokens"] / qkv_token
-        per_seq = (last["peak_above_inputs_gib"] - first["peak_above_inputs_gib"]) * gib / (last["seqs"] - first["seqs"]) / state_bytes
+        grown = (last["peak_above_inputs_gib"] - first["peak_above_inputs_gib"]) * gib
+        per_seq = grown / (last["seqs"] - first["seqs"]) / state_bytes
         out[state] = {"per_token": round(per_token, 3), "per_sequence": round(per_seq, 3), "source": name,
                       "gpu": d["gpu"], "vllm": d["versions"]["vllm"]}
     return out
