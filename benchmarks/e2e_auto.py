@@ -45,10 +45,14 @@ def cells(run: dict, path: str) -> list[dict]:
     return rows
 
 
+def cell_name(row: dict) -> str:
+    return f"{row['shape']} b{row['batch']}"
+
+
 def summarize(runs: list[tuple[str, dict]]) -> dict:
     """The summary and every cell of `runs` ((path, e2e_decode result) each)."""
     rows = [row for path, run in runs for row in cells(run, path)]
-    cell_names = [f"{r['shape']} b{r['batch']}" for r in rows]
+    cell_names = [cell_name(r) for r in rows]
     twice = sorted({c for c in cell_names if cell_names.count(c) > 1})
     if twice:
         raise SystemExit(f"one run per cell (got {', '.join(twice)} twice): merge a configuration's runs with "
@@ -60,7 +64,7 @@ def summarize(runs: list[tuple[str, dict]]) -> dict:
         "min_speedup_ring_cells": min((r["speedup"] for r in ring), default=None),
         "min_speedup": min(r["speedup"] for r in rows),
         "speedup_4b_b256": at_4b_256[0] if at_4b_256 else None,
-        "ring_cells": [f"{r['shape']} b{r['batch']}" for r in ring],
+        "ring_cells": [cell_name(r) for r in ring],
         "plan_min_batch": {f"{r['shape']} max_num_seqs {r['max_num_seqs']}": r["plan_min_batch"] for r in rows},
         "pairs": min(r["pairs"] for r in rows),
         "shapes": shapes,

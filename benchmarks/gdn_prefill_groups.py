@@ -15,7 +15,8 @@ buffers, would bound them, if the op computes each sequence the same way in any 
 Sequence lengths are random (seeded), so that sub-chunk and multi-chunk sequences mix. Inputs as
 vLLM's prefill gives them to the op: q and k unit vectors per head (bf16), v bf16, g (log decay)
 and beta fp32, initial states fp32. Needs vLLM's FLA op (vLLM >= 0.33, or its .py tree on
-PYTHONPATH: `gpu_run.sh vltree`) and a CUDA GPU.
+PYTHONPATH: `gpu_run.sh vltree`) and a CUDA GPU. The op lookup and the argument checks are
+gdn_prefill_memory.py's, beside it.
 """
 
 from __future__ import annotations
@@ -24,16 +25,9 @@ import argparse
 import datetime
 import json
 import sys
+from itertools import accumulate
 
 GIB = 1 << 30
-
-
-def chunk_op():
-    try:  # vLLM >= 0.33
-        from vllm.third_party.flash_linear_attention.ops import chunk_gated_delta_rule
-    except ImportError:
-        from vllm.model_executor.layers.fla.ops import chunk_gated_delta_rule
-    return chunk_gated_delta_rule
 
 
 def random_lens(tokens: int, seqs: int, gen) -> list[int]:
@@ -65,13 +59,12 @@ def groups(lens: list[int], max_tokens: int, max_seqs: int) -> list[tuple[int, i
 def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, max_tokens: int, max_seqs: int) -> dict:
     import torch
     import torch.nn.functional as F
+    from gdn_prefill_memory import chunk_op
 
     op, dev = chunk_op(), "cuda"
     gen = torch.Generator().manual_seed(seqs)
     lens = random_lens(tokens, seqs, gen)
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
+    starts = list(accumulate(lens, initial=0))
     cu = torch.tensor(starts, dtype=torch.int32, device=dev)
     q = F.normalize(torch.randn(1, tokens, hk, d, generator=gen), dim=-1).to(dev, torch.bfloat16)
     k = F.normalize(torch.randn(1, tokens, hk, d, generator=gen), dim=-1).to(dev, torch.bfloat16)
@@ -130,11 +123,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", default="gdn_prefill_groups.json")
     a = ap.parse_args()
-    try:
-        seqs = [int(x) for x in a.seqs.split(",")]
-        assert seqs and all(0 < n <= a.tokens for n in seqs)
-    except (ValueError, AssertionError):
-        ap.error(f"--seqs: positive sequence counts up to --tokens, comma-separated (got {a.seqs!r})")
+    from gdn_prefill_memory import checked_seqs
+
+    seqs = checked_seqs(ap, a)
     import torch
 
     if not torch.cuda.is_available():

@@ -59,6 +59,19 @@ def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, state_dtype: str) 
             "per_token_kib": above / tokens / 1024}
 
 
+def checked_seqs(ap: argparse.ArgumentParser, args) -> list[int]:
+    """The sequence counts of `--seqs`, with `--seqs` and the head counts checked (`ap.error` names
+    what is wrong)."""
+    try:
+        seqs = [int(x) for x in args.seqs.split(",")]
+        assert seqs and all(0 < n <= args.tokens for n in seqs)
+    except (ValueError, AssertionError):
+        ap.error(f"--seqs: positive sequence counts up to --tokens, comma-separated (got {args.seqs!r})")
+    if args.value_heads % args.key_heads:
+        ap.error(f"--value-heads {args.value_heads} must be a multiple of --key-heads {args.key_heads}")
+    return seqs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of the prefill step (vLLM's max_num_batched_tokens)")
@@ -69,13 +82,7 @@ def main() -> None:
     ap.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--out", default="gdn_prefill_memory.json")
     args = ap.parse_args()
-    try:
-        seqs = [int(x) for x in args.seqs.split(",")]
-        assert seqs and all(0 < n <= args.tokens for n in seqs)
-    except (ValueError, AssertionError):
-        ap.error(f"--seqs: positive sequence counts up to --tokens, comma-separated (got {args.seqs!r})")
-    if args.value_heads % args.key_heads:
-        ap.error(f"--value-heads {args.value_heads} must be a multiple of --key-heads {args.key_heads}")
+    seqs = checked_seqs(ap, args)
     import torch
 
     if not torch.cuda.is_available():

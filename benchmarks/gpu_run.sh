@@ -265,8 +265,9 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       extra=(); [ "$shape" = moe ] && extra=(${MOE_ARGS:---moe-layers 20 --moe-experts 128})
       # two engine pairs per shape: max_num_seqs is a run's largest batch, and the rule weighs the ring's
       # pages against it (BATCHES_WIDE="" leaves the second out)
-      for batches in "${BATCHES:-1,16,64,128,256}" ${BATCHES_WIDE-512}; do
-        tag=$shape; [ "$batches" = "${BATCHES:-1,16,64,128,256}" ] || tag=${shape}_wide
+      narrow=${BATCHES:-1,16,64,128,256}
+      for batches in "$narrow" ${BATCHES_WIDE-512}; do
+        tag=$shape; [ "$batches" = "$narrow" ] || tag=${shape}_wide
         f="$OUT/e2e_auto_$tag.json"
         python3 benchmarks/e2e_decode.py --shape "$shape" "${extra[@]}" --min-batch auto --state-dtype float32 \
           --batches "$batches" --pairs "${PAIRS:-5}" --out "$f" --workdir "/tmp/e2e_auto_$tag" \

@@ -108,7 +108,8 @@ def facts_from_hf_config(hf, *, tp: int, weight_bytes_per_param: float, activati
         dense_weight_bytes=int(dense * per_rank), expert_bytes=int(expert * per_rank),
         experts=experts, experts_per_token=top_k, moe_layers=layers if experts else 0,
         active_params=(dense + layers * top_k * expert) // tp, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, memory_bytes=memory_bytes, align=align)
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, memory_bytes=memory_bytes,
+        align=align)
 
 
 def _interp(points: list, x: float, column: int) -> float:

@@ -2,13 +2,14 @@
 
 vLLM sizes the KV cache from a profile run whose dummy forward has no attention metadata, so
 its GDN layers skip their core there and only warm the prefill kernels on 64 tokens
-(`_warmup_prefill_kernels`, in every release the package supports; vllm-project/vllm#54775).
-A real prefill step's temporaries (the causal conv's output, q/k/v/g/beta, every prefill sequence's gathered and final
-state, the chunked scan's own) are then memory the engine holds beyond what it accounted; how
-much: benchmarks/results/gdn_prefill_memory_h100_2026-12-07/. A ring layer therefore runs, in
-its profile forward on CUDA, after vLLM's warmup, the worst step vLLM's scheduler may send it
-(the profile's tokens over as many sequences as `max_num_seqs` allows) through the layer's own
-prefill op, so that the profile's peak includes it and the KV cache is sized without it.
+(`_warmup_prefill_kernels`, in every release the package supports; vllm-project/vllm#54775). A
+real prefill step's temporaries (the causal conv's output, q/k/v/g/beta, every prefill sequence's
+gathered and final state, the chunked scan's own) are then memory the engine holds beyond what it
+accounted; how much: benchmarks/results/gdn_prefill_memory_h100_2026-12-07/. A ring layer
+therefore runs, in its profile forward on CUDA, after vLLM's warmup, the worst step vLLM's
+scheduler may send it (the profile's tokens over as many sequences as `max_num_seqs` allows)
+through the layer's own prefill op, so that the profile's peak includes it and the KV cache is
+sized without it.
 """
 
 from __future__ import annotations
