@@ -1,18 +1,18 @@
-"""vLLM's chunked GDN prefill op over one step's sequences, called once and called per group of
-whole sequences: whether the groups give the same outputs and final states bit for bit, and how
-much memory each way holds above its inputs.
+"""vLLM's chunked GDN prefill op over one step's sequences, called once as vLLM calls it and per
+group as a ring layer calls it (replayssm_patch/vllm/prefill_groups.py, its groups and its run):
+whether the groups give the same outputs and final states bit for bit, and how much memory each
+way holds above its inputs.
 
 Issue 46: the ring engine's memory profile holds one prefill step of `max_num_batched_tokens` over
 up to `max_num_seqs` sequences back from the KV cache (replayssm_patch/vllm/prefill_profile.py).
-Most of that step is the op's temporaries, which grow with the tokens and with the sequences of
-one call. Groups of at most `--group-tokens` tokens and `--group-seqs` sequences (a longer
-sequence is a group of its own), each writing its outputs and final states into the step's
-buffers, would bound them, if the op computes each sequence the same way in any batch.
+Most of that step is the op's temporaries, which grow with the step's chunks and sequences. The
+ring layer's groups bound them; a sequence longer than a group's room is cut at a chunk boundary
+and goes on from its state in the next group.
 
-    python benchmarks/gdn_prefill_groups.py [--tokens 16384] [--seqs 32,512] [--group-tokens 4096]
-        [--group-seqs 64] [--key-heads 16] [--value-heads 32] [--head-dim 128] [--out FILE]
+    python benchmarks/gdn_prefill_groups.py [--tokens 16384] [--seqs 1,32,512] [--key-heads 16]
+        [--value-heads 32] [--head-dim 128] [--out FILE]
 
-Sequence lengths are random (seeded), so that sub-chunk and multi-chunk sequences mix. Inputs as
+Sequence lengths are random (seeded), so that sub-chunk, multi-chunk and cut sequences mix. Inputs as
 vLLM's prefill gives them to the op: q and k unit vectors per head (bf16), v bf16, g (log decay)
 and beta fp32, initial states fp32. Needs vLLM's FLA op (vLLM >= 0.33, or its .py tree on
 PYTHONPATH: `gpu_run.sh vltree`) and a CUDA GPU. The op lookup and the argument checks are
@@ -44,22 +44,12 @@ def random_lens(tokens: int, seqs: int, gen) -> list[int]:
     return lens
 
 
-def groups(lens: list[int], max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
-    """(first, end) sequence ranges of at most max_tokens tokens and max_seqs sequences each."""
-    out, start, held = [], 0, 0
-    for i, n in enumerate(lens):
-        if i > start and (held + n > max_tokens or i - start >= max_seqs):
-            out.append((start, i))
-            start, held = i, 0
-        held += n
-    out.append((start, len(lens)))
-    return out
-
-
-def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, max_tokens: int, max_seqs: int) -> dict:
+def measure(tokens: int, seqs: int, hk: int, hv: int, d: int) -> dict:
     import torch
     import torch.nn.functional as F
     from gdn_prefill_memory import chunk_op
+
+    from replayssm_patch.vllm import prefill_groups
 
     op, dev = chunk_op(), "cuda"
     gen = torch.Generator().manual_seed(seqs)
@@ -85,26 +75,19 @@ def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, max_tokens: int, m
         return op(q=q, k=k, v=v, g=g, beta=beta, initial_state=init.clone(), output_final_state=True,
                   cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
 
-    plan = groups(lens, max_tokens, max_seqs)
+    plan = prefill_groups.plan(cu.cpu(), prefill_groups.fla_chunk_size(), lambda c: (c.to(dev), None, None))
+    plan = plan or (prefill_groups.PrefillGroup((0, tokens), (0, seqs), cu),)
 
-    def grouped():
-        out = torch.empty_like(v)
-        state = init.clone()  # the states vLLM gathers: each group's final states go back in place
-        for s0, s1 in plan:
-            t0, t1 = starts[s0], starts[s1]
-            o, final = op(q=q[:, t0:t1], k=k[:, t0:t1], v=v[:, t0:t1], g=g[:, t0:t1], beta=beta[:, t0:t1],
-                          initial_state=state[s0:s1], output_final_state=True, cu_seqlens=cu[s0:s1 + 1] - t0,
-                          use_qk_l2norm_in_kernel=False)
-            out[:, t0:t1] = o
-            state[s0:s1] = final
-            del o, final
-        return out, state
+    def grouped():  # as a ring layer's prefill op runs it, over the states vLLM gathers
+        return prefill_groups.run(op, plan, q=q, k=k, v=v, g=g, beta=beta, initial_state=init.clone(),
+                                  use_qk_l2norm_in_kernel=False)
 
     whole()  # compile and tune both call shapes first
     grouped()
     (o_whole, f_whole), gib_whole = above(whole)
     (o_groups, f_groups), gib_groups = above(grouped)
     return {"tokens": tokens, "seqs": seqs, "min_len": min(lens), "max_len": max(lens), "groups": len(plan),
+            "cut_sequences": sum(grp.seqs[1] - grp.seqs[0] for grp in plan) - seqs,
             "outputs_identical": bool(torch.equal(o_whole, o_groups)),
             "final_states_identical": bool(torch.equal(f_whole, f_groups)),
             "output_max_abs_diff": float((o_whole.float() - o_groups.float()).abs().max()),
@@ -115,9 +98,7 @@ def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, max_tokens: int, m
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--seqs", default="32,512", help="sequence counts, comma-separated")
-    ap.add_argument("--group-tokens", type=int, default=4096)
-    ap.add_argument("--group-seqs", type=int, default=64)
+    ap.add_argument("--seqs", default="1,32,512", help="sequence counts, comma-separated")
     ap.add_argument("--key-heads", type=int, default=16)
     ap.add_argument("--value-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -128,16 +109,18 @@ def main() -> None:
     seqs = checked_seqs(ap, a)
     import torch
 
+    from replayssm_patch.vllm import prefill_groups
+
     if not torch.cuda.is_available():
         raise SystemExit("gdn_prefill_groups.py needs a CUDA GPU")
     rows = []
     for n in seqs:
-        rows.append(measure(a.tokens, n, a.key_heads, a.value_heads, a.head_dim, a.group_tokens, a.group_seqs))
+        rows.append(measure(a.tokens, n, a.key_heads, a.value_heads, a.head_dim))
         print(f"[prefill groups] {json.dumps(rows[-1])}", flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "gdn": {"key_heads": a.key_heads, "value_heads": a.value_heads, "head_dim": a.head_dim},
-              "group_tokens": a.group_tokens, "group_seqs": a.group_seqs, "rows": rows}
+              "group_chunks": prefill_groups.GROUP_CHUNKS, "group_seqs": prefill_groups.GROUP_SEQS, "rows": rows}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"[prefill groups] wrote {a.out}")

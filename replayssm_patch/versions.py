@@ -93,6 +93,7 @@ class Capabilities:
     mtp_cuda: bool  # MTP on CUDA can go through the ring (0.32+)
     mrv2_only: bool  # only the V2 model runner exists (0.34+)
     state_alignment: bool  # MambaSpec.state_alignment: each state's bytes in a page rounded up to it (0.34+)
+    gdn_chunk_metadata: bool  # GDNAttentionMetadataBuilder._build_chunk_metadata: the prefill's FLA chunk metadata (0.33+)
 
 
 def platform_name() -> str:
@@ -144,7 +145,8 @@ def _capabilities_of(version: Version) -> Capabilities:
                         gdn_metadata_reuse=hasattr(GDNAttentionMetadataBuilder, "update_block_table"),
                         cpu_ops_module=ops, cpu_spec_path=cpu_spec, mtp_cuda=version >= MTP_CUDA_MIN_VERSION,
                         mrv2_only=version >= MRV2_ONLY_VERSION,
-                        state_alignment="state_alignment" in {f.name for f in fields(MambaSpec)})
+                        state_alignment="state_alignment" in {f.name for f in fields(MambaSpec)},
+                        gdn_chunk_metadata=hasattr(GDNAttentionMetadataBuilder, "_build_chunk_metadata"))
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from replayssm_patch.ops import gdn_reference
 from replayssm_patch.plan import Plan, RingGeometry
+from replayssm_patch.testing.reference_prefill import ReferencePrefill
 from replayssm_patch.vllm import prefill_profile
 
 if not os.environ.get("CI"):
@@ -29,37 +29,12 @@ from replayssm_patch.vllm.gdn_layer import ReplayQwenGDN  # noqa: E402
 HK, HV, D = 2, 4, 8
 
 
-class RecordingPrefill:
-    """vLLM's chunk_gated_delta_rule interface: records its arguments and returns each sequence's
-    outputs and final state from the package's float64 reference recurrence."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel):
-        self.calls.append(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state.clone(),
-                               output_final_state=output_final_state, cu_seqlens=cu_seqlens.clone(),
-                               l2norm=use_qk_l2norm_in_kernel))
-        group = v.shape[2] // q.shape[2]
-        qe, ke = (x[0].double().repeat_interleave(group, dim=1) for x in (q, k))  # key heads per value head
-        outs, finals = [], []
-        for n in range(initial_state.shape[0]):
-            t0, t1 = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
-            o, h = gdn_reference.recurrent_sequence_reference(
-                qe[t0:t1], ke[t0:t1], v[0, t0:t1].double(), g[0, t0:t1].double(), beta[0, t0:t1].double(),
-                initial_state[n].double())
-            outs.append(o)
-            finals.append(h)
-        return torch.cat(outs)[None].to(v.dtype), torch.stack(finals).float()
-
-
 @pytest.mark.parametrize("tokens,seqs,state_dtype", [(37, 5, torch.float32), (12, 12, torch.bfloat16),
                                                       (9, 1, torch.float32)])
 def test_the_step_spreads_the_tokens_over_the_sequences_with_their_states(tokens, seqs, state_dtype):
     gen = torch.Generator().manual_seed(tokens * 31 + seqs)
     qkv = torch.randn(tokens, (2 * HK + HV) * D, generator=gen).to(torch.bfloat16)
-    chunk = RecordingPrefill()
+    chunk = ReferencePrefill()
     prefill_profile.prefill_step(chunk, qkv, (HK, HV), (HV, D, D), state_dtype, seqs)
     (call,) = chunk.calls
     lens = (call["cu_seqlens"][1:] - call["cu_seqlens"][:-1]).tolist()
@@ -97,7 +72,7 @@ def profile_layer(platform: str, serves: bool = True, backend: str = "triton", m
     layer.gdn_prefill_backend = backend
     layer.get_state_shape = lambda: ((3, 14), (HV, D, D))
     layer.get_state_dtype = lambda: (torch.bfloat16, torch.float32)
-    layer.chunk_gated_delta_rule = RecordingPrefill()
+    layer.chunk_gated_delta_rule = ReferencePrefill()
     return layer
 
 
@@ -166,3 +141,31 @@ def test_an_op_that_refuses_the_step_leaves_the_profile_as_vllm_made_it(vllm_war
     layer.chunk_gated_delta_rule = out_of_memory
     with pytest.raises(torch.OutOfMemoryError):
         layer._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D), 0)
+
+
+def test_a_layer_that_groups_its_prefill_profiles_the_grouped_step(vllm_warmup, clean_patch_state, monkeypatch):
+    from replayssm_patch.vllm import prefill_groups
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(prefill_groups, "fla_chunk_size", lambda: 64)
+    layer = profile_layer("cuda", max_num_seqs=70)
+    op = layer.chunk_gated_delta_rule
+    layer.chunk_gated_delta_rule = prefill_groups.GroupedPrefillOp(op, lambda: None)
+    layer._warmup_prefill_kernels(torch.randn(300, (2 * HK + HV) * D).to(torch.bfloat16), 0)
+    assert [c["initial_state"].shape[0] for c in op.calls] == [prefill_groups.GROUP_SEQS, 70 - prefill_groups.GROUP_SEQS]
+    assert any("300 tokens over 70 sequences (triton prefill, per group of at most" in m
+               for m in clean_patch_state.logged)
+
+
+@pytest.mark.parametrize("platform,backend,chunk_metadata,grouped", [
+    ("cuda", "triton", True, True), ("cuda", "flashinfer", True, False), ("cuda", "triton", False, False),
+    ("cpu", "triton", True, False)])
+def test_which_ring_layers_group_their_prefill(platform, backend, chunk_metadata, grouped, monkeypatch):
+    from dataclasses import replace
+
+    from replayssm_patch import versions
+
+    caps = versions.capabilities()
+    monkeypatch.setattr(versions, "capabilities", lambda: replace(caps, gdn_chunk_metadata=chunk_metadata))
+    layer = profile_layer(platform, backend=backend)
+    assert layer._groups_prefill() == grouped

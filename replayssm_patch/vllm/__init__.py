@@ -234,6 +234,23 @@ POINTS = (
                     ["q", "k", "v", "g", "beta", "initial_state", "output_final_state", "cu_seqlens",
                      "use_qk_l2norm_in_kernel"])))),
     PatchPoint(
+        "wrap", QWEN_GDN_MODULE, f"{LAYER_CLASS}.chunk_gated_delta_rule (prefill op)",
+        "replayssm_patch.vllm.prefill_groups:GroupedPrefillOp", platform="cuda", vllm_versions=">=0.33",
+        what="a ring layer's prefill op runs a step's scan per group of whole sequences",
+        why="one call over a whole step holds temporaries for all its tokens and final states for all its "
+            "sequences; the ring engine's memory profile holds that step back from the KV cache",
+        how="the layer's op wrapped: groups drawn by the ring's builder beside vLLM's chunk metadata "
+            "(_build_chunk_metadata, with its chunk metadata per group), each group's final states written "
+            "over the initial states vLLM gathered, which vLLM then scatters; with the Triton prefill op only",
+        upstream="vllm-project/vllm#54775 (the GDN prefill's workspace in the memory profile)",
+        remove_when="vLLM bounds its GDN prefill's memory per step", applies="ring layer",
+        probes=(Probe("builder chunk metadata", GDN_BUILDER, has_method(
+                    "GDNAttentionMetadataBuilder", "_build_chunk_metadata",
+                    ["self", "prefill_query_start_loc", "prefill_query_start_loc_cpu", "device"], exact=True)),
+                Probe("layer prefill call", QWEN_GDN, calls_with_keywords(
+                    "chunk_gated_delta_rule", ["initial_state", "output_final_state", "cu_seqlens",
+                                               "chunk_indices", "chunk_offsets"])))),
+    PatchPoint(
         "attribute", QWEN_GDN_MODULE, f"{LAYER_CLASS}.enable_fused_gdn_spec_decode",
         "replayssm_patch.vllm.fused_decode_flags:disable",
         what="vLLM's fused MTP decode is off on MTP ring layers (enable_fused_gdn_decode before vLLM 0.32)",

@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from .. import worker_counters
 from ..ring.flags import fill_flags
 from ..state import STATE
-from . import metadata_reuse
+from . import metadata_reuse, prefill_groups
 
 STATS_LOG_SECONDS = 60  # the ring's counters in the worker's log, at most this often
 
@@ -77,6 +77,7 @@ class ReplayGDNAttentionMetadata(GDNAttentionMetadata):
     ring_commit_slots: torch.Tensor | None = None  # MTP: non-spec rows' slots, commit first
     ring_commit_accepted: torch.Tensor | None = None  # MTP: their num_accepted_tokens
     ring_decode: bool = True  # this step's plain decode rows go through the ring (else native)
+    ring_prefill_groups: tuple | None = None  # prefill_groups.PrefillGroup per group of the prefill, or None
 
 
 class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -90,15 +91,18 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.block_size = kv_cache_spec.block_size
         self.min_batch = plan.min_batch
         self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
+        self._prefill_groups = None  # this build's, from _build_chunk_metadata
         metadata_reuse.opt_in(self, vllm_config, device)
         STATE.publish_stats_in_background(worker_counters.PUBLISH_SECONDS)  # once per worker process
 
     def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
               num_decode_draft_tokens_cpu=None, fast_build=False):
+        self._prefill_groups = None
         md = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
                            num_decode_draft_tokens_cpu, fast_build)
         STATE.log_stats_every(STATS_LOG_SECONDS)
         extra = self._ring_fields(common_attn_metadata, md)
+        extra["ring_prefill_groups"] = self._prefill_groups
         extra["ring_decode"] = bool(self.num_spec) or md.num_decodes >= self.min_batch
         if md.num_decodes:
             self._count_switch(extra["ring_decode"])
@@ -108,6 +112,20 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         elif md.num_spec_decodes:  # cannot happen: spec rows exist only with a speculative config
             raise RuntimeError("GDN ring builder: speculative rows without a speculative config")
         return ReplayGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, **extra)
+
+    def _build_chunk_metadata(self, prefill_query_start_loc, prefill_query_start_loc_cpu, device):
+        """vLLM's chunk metadata for the step's prefill (vLLM >= 0.33 calls this from build), and,
+        with the Triton (FLA) prefill op, the step's groups for the ring layers' prefill op
+        (prefill_groups), each with its own chunk metadata from vLLM's same function."""
+        whole = super()._build_chunk_metadata(prefill_query_start_loc, prefill_query_start_loc_cpu, device)
+        if self.gdn_prefill_backend == "triton":
+            def to_device(cu):
+                return (to_op_device(cu, device),
+                        *super(ReplayGDNAttentionMetadataBuilder, self)._build_chunk_metadata(None, cu, device))
+
+            self._prefill_groups = prefill_groups.plan(prefill_query_start_loc_cpu, prefill_groups.fla_chunk_size(),
+                                                       to_device)
+        return whole
 
     def _count_switch(self, ring_decode: bool) -> None:
         """Count the dispatch's switches between decode steps (status() counters)."""
@@ -182,6 +200,13 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         re-gathers the state indices; the ring flags are batch-level and stay shared."""
         md = super().update_block_table(metadata, blk_table, slot_mapping)
         return replace(md, **self._prefill_slots(md, md.ring_start_empty))
+
+
+def to_op_device(host: torch.Tensor, device) -> torch.Tensor:
+    """`host` on `device`, copied without waiting where that is a GPU (as vLLM's chunk metadata)."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def with_checkpoint_slots(prefill_slots: torch.Tensor, md) -> torch.Tensor:

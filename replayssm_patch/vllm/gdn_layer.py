@@ -24,7 +24,8 @@ from ..ring import shadow
 from ..ring.call import cpu_kv_view, run_with_ring
 from ..ring.runtime import RingBuffers, ops_for
 from ..state import STATE, PatchRefused
-from . import align_copy_funcs, fused_decode_flags, model_class, prefill_profile, spec_verify_step
+from .. import versions
+from . import align_copy_funcs, fused_decode_flags, model_class, prefill_groups, prefill_profile, spec_verify_step
 from .gdn_backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata, ring_spec, state_offsets
 
 
@@ -73,6 +74,22 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         STATE.layers[prefix] = "ring" if plan.serves else "native: " + "; ".join(map(str, plan.reasons))
         if plan.serves and plan.spec_tokens:
             fused_decode_flags.disable(self)
+        if self._groups_prefill():
+            self.chunk_gated_delta_rule = prefill_groups.GroupedPrefillOp(self.chunk_gated_delta_rule,
+                                                                          self._step_prefill_groups)
+
+    def _groups_prefill(self) -> bool:
+        """Whether this layer runs its prefill op per group (prefill_groups): on the ring, on CUDA,
+        with the Triton (FLA) prefill op, where vLLM's builder draws the chunk metadata the groups
+        are drawn beside."""
+        caps = versions.capabilities()
+        return (self.ring_plan.serves and self.ring_plan.platform == "cuda" and caps is not None
+                and caps.gdn_chunk_metadata and getattr(self, "gdn_prefill_backend", None) == "triton")
+
+    def _step_prefill_groups(self):
+        """This step's prefill groups from the ring's metadata, or None."""
+        md = self.ring_metadata()
+        return None if md is None else md.ring_prefill_groups
 
     # -- cache spec and page binding ------------------------------------------------------
     # vLLM binds the layer's cache by assigning `kv_cache` (MambaBase.bind_kv_cache) and
@@ -172,10 +189,12 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         tokens, seqs = qkv.shape[0], prefill_profile.profile_seqs(qkv.shape[0], self.ring_max_num_seqs)
         # (the profile's peak statistics are vLLM's: read, never reset, here)
         peak_before = torch.cuda.max_memory_allocated()
+        grouped = isinstance(self.chunk_gated_delta_rule, prefill_groups.GroupedPrefillOp)
         try:
-            prefill_profile.prefill_step(self.chunk_gated_delta_rule, qkv,
-                                         (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
-                                         tuple(self.get_state_shape()[1]), self.get_state_dtype()[1], seqs)
+            prefill_profile.prefill_step(self.chunk_gated_delta_rule.op if grouped else self.chunk_gated_delta_rule,
+                                         qkv, (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
+                                         tuple(self.get_state_shape()[1]), self.get_state_dtype()[1], seqs,
+                                         prefill_groups.fla_chunk_size() if grouped else None)
         except torch.OutOfMemoryError:
             raise  # the budget cannot hold such a step: serving it would fail the same way
         except Exception as e:  # the op refused the step's shapes: the engine starts as vLLM would
@@ -186,10 +205,12 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         finally:
             torch.cuda.empty_cache()
         raised = (torch.cuda.max_memory_allocated() - peak_before) / (1 << 30)
+        how = "per group of at most {} chunks of {} sequences".format(
+            prefill_groups.GROUP_CHUNKS, prefill_groups.GROUP_SEQS) if grouped else "in one call"
         STATE.log_once(logging.INFO, f"replayssm_patch: vLLM's memory profile includes a GDN prefill step of {tokens} "
-                                     f"tokens over {seqs} sequences ({backend} prefill), which vLLM's own profile "
-                                     f"leaves out: it raised the profile's peak by {raised:.2f} GiB, which the KV "
-                                     "cache gives up")
+                                     f"tokens over {seqs} sequences ({backend} prefill, {how}), which vLLM's own "
+                                     f"profile leaves out: it raised the profile's peak by {raised:.2f} GiB, which "
+                                     "the KV cache gives up")
 
     # -- forward ----------------------------------------------------------------------------
     def ring_metadata(self) -> ReplayGDNAttentionMetadata | None:

@@ -8,8 +8,8 @@ gathered and final state, the chunked scan's own) are then memory the engine hol
 accounted; how much: benchmarks/results/gdn_prefill_memory_h100_2026-12-07/. A ring layer
 therefore runs, in its profile forward on CUDA, after vLLM's warmup, the worst step vLLM's
 scheduler may send it (the profile's tokens over as many sequences as `max_num_seqs` allows)
-through the layer's own prefill op, so that the profile's peak includes it and the KV cache is
-sized without it.
+through the layer's own prefill op, as the layer runs it (per group of sequences where it does:
+prefill_groups), so that the profile's peak includes it and the KV cache is sized without it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from . import prefill_groups
+
 
 def seq_lens(tokens: int, seqs: int) -> list[int]:
     """`tokens` spread over `seqs` sequences as evenly as integers allow (many short sequences
@@ -27,13 +29,28 @@ def seq_lens(tokens: int, seqs: int) -> list[int]:
     return [base + (i < extra) for i in range(seqs)]
 
 
+def group_filling_lens(tokens: int, seqs: int, chunk_size: int) -> list[int]:
+    """`tokens` over `seqs` sequences so that the first prefill group is as large as a group may
+    be in its chunks, its tokens and its sequences (the costly group): the other sequences share
+    what is left evenly; with none left, the group's last sequence takes it."""
+    first = min(prefill_groups.GROUP_SEQS, seqs)
+    rest = seqs - first
+    each = max(1, prefill_groups.GROUP_CHUNKS // first) * chunk_size
+    first_tokens = min(first * each, tokens - rest)
+    lens = seq_lens(first_tokens, first) + (seq_lens(tokens - first_tokens, rest) if rest else [])
+    lens[first - 1] += tokens - sum(lens)
+    return lens
+
+
 def prefill_step(chunk, qkv: torch.Tensor, heads: tuple[int, int], state_shape: tuple[int, ...],
-                 state_dtype: torch.dtype, seqs: int) -> None:
+                 state_dtype: torch.dtype, seqs: int, chunk_size: int | None = None) -> None:
     """The allocations of one prefill step of vLLM's GDN core over `qkv`'s tokens (the in-projection's
     q/k/v part, [tokens, (2 * key_heads + value_heads) * head_dim]) spread over `seqs` sequences,
-    with the scan run through `chunk` (vLLM's `chunk_gated_delta_rule` interface). What is computed
-    does not matter here, only what is held while it runs; `heads` = (key heads, value heads) of
-    this rank, `state_shape` = one sequence's SSM state [value heads, V, K]."""
+    with the scan run through `chunk` (vLLM's `chunk_gated_delta_rule` interface): in one call, as
+    vLLM makes it, or, given the op's `chunk_size`, per group as a ring layer's prefill op makes it
+    (prefill_groups).
+    What is computed does not matter here, only what is held while it runs; `heads` = (key heads,
+    value heads) of this rank, `state_shape` = one sequence's SSM state [value heads, V, K]."""
     hk, hv = heads
     tokens, dev = qkv.shape[0], qkv.device
     dv, dk = state_shape[1], state_shape[2]
@@ -45,9 +62,15 @@ def prefill_step(chunk, qkv: torch.Tensor, heads: tuple[int, int], state_shape: 
     g = torch.zeros(1, tokens, hv, device=dev, dtype=torch.float32)  # log decay and beta, fp32
     beta = torch.full((1, tokens, hv), 0.5, device=dev, dtype=torch.float32)
     initial = torch.zeros(seqs, *state_shape, device=dev, dtype=state_dtype)  # the states gathered
-    cu = torch.tensor([0, *accumulate(seq_lens(tokens, seqs))], device=dev, dtype=torch.int32)
-    out, final = chunk(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial, output_final_state=True,
-                       cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
+    lens = seq_lens(tokens, seqs) if chunk_size is None else group_filling_lens(tokens, seqs, chunk_size)
+    cu_host = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial, use_qk_l2norm_in_kernel=False)
+    groups = None if chunk_size is None else prefill_groups.plan(cu_host, chunk_size, lambda cu: (cu.to(dev), None, None))
+    if groups is not None:
+        out, _ = prefill_groups.run(chunk, groups, **args)  # the final states go over `initial`
+        del out
+        return
+    out, final = chunk(**args, output_final_state=True, cu_seqlens=cu_host.to(dev))
     scattered = final.to(state_dtype)  # the scatter back into the pool converts first
     del out, scattered
 

@@ -1,0 +1,127 @@
+"""Patch point: a ring layer runs a prefill step's chunked scan per group of chunks.
+
+vLLM calls its FLA prefill op once over all of a step's prefill sequences. The op's temporaries
+grow with the step's 64-token chunks (up to max_num_batched_tokens / 64 plus one a sequence) and
+its final states with the step's sequences (up to max_num_seqs), and a ring engine's memory
+profile holds that worst step back from the KV cache (prefill_profile). Called per group of at
+most GROUP_CHUNKS chunks of at most GROUP_SEQS sequences, the op holds one group's temporaries. A
+sequence longer than a group's room is cut at a chunk boundary and goes on in the next group
+from the state the first part ended in. Each group writes its outputs into the step's output and
+its final states over the rows of the initial states vLLM gathered for the step, which the next
+part of a cut sequence reads and vLLM then scatters back into the state pool as it would the
+op's final states. Every chunk goes through the same kernels with the same inputs either way;
+whether the results are identical bit for bit and what the groups save:
+benchmarks/gdn_prefill_groups.py and its results in benchmarks/results/.
+
+The groups are drawn on the host once per step by the ring's metadata builder, beside vLLM's
+chunk metadata for the same prefill (`_build_chunk_metadata`, vLLM >= 0.33, the Triton (FLA)
+prefill backend), and carried to the layers in the step's metadata. Other backends and older
+releases call the op as vLLM does. The module imports only torch (benchmarks use it alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+# One group's size: 64 chunks of 64 tokens per head are enough blocks to keep the GPU busy; 64
+# sequences bound the final states one call holds.
+GROUP_CHUNKS = 64
+GROUP_SEQS = 64
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    tokens: tuple[int, int]  # [start, end) in the step's prefill tokens
+    seqs: tuple[int, int]  # [start, end) of the step's prefill sequences it has tokens of
+    cu_seqlens: torch.Tensor  # the group's query start locations, from 0, on the op's device
+    chunk_indices: torch.Tensor | None = None  # the op's chunk metadata for the group (None: it computes them)
+    chunk_offsets: torch.Tensor | None = None
+
+
+def split(cu_seqlens: Sequence[int], chunk_size: int, max_chunks: int = GROUP_CHUNKS,
+          max_seqs: int = GROUP_SEQS) -> list[tuple[int, int, int, int]]:
+    """Consecutive groups (first token, end token, first sequence, end sequence) of the step whose
+    query start locations are `cu_seqlens`, each of at most `max_chunks` chunks of at most
+    `max_seqs` sequences (parts of sequences: a sequence is cut where a group's chunks run out,
+    which is a chunk boundary of the sequence)."""
+    groups, t0, s0, chunks = [], 0, 0, 0
+    for s in range(len(cu_seqlens) - 1):
+        t, end = cu_seqlens[s], cu_seqlens[s + 1]
+        while t < end:
+            if chunks == max_chunks or s - s0 == max_seqs:  # full: the group ends before t
+                groups.append((t0, t, s0, s + (t > cu_seqlens[s])))  # with the part of s it has
+                t0, s0, chunks = t, s, 0
+            take = min(end - t, (max_chunks - chunks) * chunk_size)
+            chunks += -(-take // chunk_size)
+            t += take
+    groups.append((t0, cu_seqlens[-1], s0, len(cu_seqlens) - 1))
+    return groups
+
+
+def plan(cu_seqlens_cpu: torch.Tensor, chunk_size: int,
+         to_device: Callable[[torch.Tensor], tuple]) -> tuple[PrefillGroup, ...] | None:
+    """The step's groups, or None where one call holds no more than a group. `to_device(cu)`
+    gives a group's host query start locations (from 0) as (cu_seqlens, chunk_indices,
+    chunk_offsets) for the op."""
+    cu = cu_seqlens_cpu.tolist()
+    ranges = split(cu, chunk_size)
+    if len(ranges) < 2:
+        return None
+    groups = []
+    for t0, t1, s0, s1 in ranges:
+        bounds = [t0, *(x for x in cu[s0 + 1:s1] if t0 < x < t1), t1]
+        local = torch.tensor(bounds, dtype=cu_seqlens_cpu.dtype) - t0
+        groups.append(PrefillGroup((t0, t1), (s0, s1), *to_device(local)))
+    return tuple(groups)
+
+
+def fla_chunk_size() -> int:
+    """The tokens of one chunk of vLLM's FLA prefill op (vLLM >= 0.33)."""
+    from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
+
+    return FLA_CHUNK_SIZE
+
+
+def run(op, groups: Sequence[PrefillGroup], *, q, k, v, g, beta, initial_state, **kwargs):
+    """`op` (vLLM's chunk_gated_delta_rule interface) per group: the step's outputs, and its
+    final states written over `initial_state` (the states vLLM gathered for the step, in the
+    state pool's dtype, as vLLM converts them before its scatter), which is returned as them. A
+    cut sequence's next part starts from the state its row holds then, the part before's."""
+    out = None
+    for grp in groups:
+        (t0, t1), (s0, s1) = grp.tokens, grp.seqs
+        o, final = op(q=q[:, t0:t1], k=k[:, t0:t1], v=v[:, t0:t1], g=g[:, t0:t1], beta=beta[:, t0:t1],
+                      initial_state=initial_state[s0:s1], output_final_state=True,
+                      **(kwargs | {"cu_seqlens": grp.cu_seqlens, "chunk_indices": grp.chunk_indices,
+                                   "chunk_offsets": grp.chunk_offsets}))
+        if out is None:
+            out = o.new_empty((o.shape[0], q.shape[1], *o.shape[2:]))
+        out[:, t0:t1] = o
+        initial_state[s0:s1] = final
+        del o, final  # before the next group's temporaries
+    return out, initial_state
+
+
+def fits(groups: Sequence[PrefillGroup], tokens: int, seqs: int) -> bool:
+    """Whether `groups` cover exactly a call of `tokens` tokens over `seqs` sequences."""
+    return groups[-1].tokens[1] == tokens and groups[-1].seqs[1] == seqs
+
+
+class GroupedPrefillOp(torch.nn.Module):
+    """A ring layer's prefill op: vLLM's, run per group where the step's ring metadata carries
+    groups for this call (`groups_for_step` gives them), as vLLM calls it otherwise."""
+
+    def __init__(self, op: torch.nn.Module, groups_for_step: Callable[[], Sequence[PrefillGroup] | None]):
+        super().__init__()
+        self.op = op
+        self.groups_for_step = groups_for_step
+
+    def forward(self, *, q, k, v, g, beta, initial_state, output_final_state, **kwargs):
+        groups = self.groups_for_step() if output_final_state and kwargs.get("core_attn_out") is None else None
+        if groups and fits(groups, q.shape[1], initial_state.shape[0]):
+            return run(self.op, groups, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, **kwargs)
+        return self.op(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                       output_final_state=output_final_state, **kwargs)

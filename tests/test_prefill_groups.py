@@ -1,0 +1,220 @@
+"""A ring layer's prefill op per group of chunks (vllm.prefill_groups, issue 46).
+
+The groups are checked on the host (every token once, in order, each group within its chunk and
+sequence bounds, sequences cut only at their chunk boundaries); a grouped run against one call of
+the package's float64 reference recurrence on fresh random inputs, with the step's output and
+state rows poisoned first; the layer's op wrapper and the builder that draws the groups beside
+vLLM's chunk metadata. Whether vLLM's FLA op gives the same bits grouped and whole, and the
+memory saved, is measured on the GPU (benchmarks/gdn_prefill_groups.py).
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import accumulate
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replayssm_patch.testing.reference_prefill import ReferencePrefill
+from replayssm_patch.vllm import prefill_groups, prefill_profile
+
+CHUNK = 64
+
+
+def random_cu(gen, seqs: int, max_len: int) -> list[int]:
+    lens = torch.randint(1, max_len + 1, (seqs,), generator=gen).tolist()
+    return [0, *accumulate(lens)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_groups_cover_the_step_within_their_bounds(seed):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [1, 5, 64, 65, 200, 700][seed]
+    cu = random_cu(gen, seqs, [9000, 3000, 80, 130, 40, 70][seed])
+    max_chunks, max_seqs = [64, 64, 64, 8, 64, 3][seed], [64, 64, 64, 64, 16, 64][seed]
+    groups = prefill_groups.split(cu, CHUNK, max_chunks, max_seqs)
+    assert groups[0][0] == 0 and groups[-1][1] == cu[-1] and groups[-1][3] == seqs
+    for (t0, t1, s0, s1), nxt in zip(groups, groups[1:] + [None]):
+        assert t0 < t1 and s0 < s1
+        if nxt is not None:
+            assert nxt[0] == t1 and nxt[2] in (s1 - 1, s1)  # the next starts where this ended
+            cut = nxt[2] == s1 - 1
+            assert cut == (cu[s1 - 1] < t1 < cu[s1])
+            if cut:  # a sequence is cut only at one of its own chunk boundaries
+                assert (t1 - cu[s1 - 1]) % CHUNK == 0
+        assert cu[s0] <= t0 < cu[s0 + 1] and cu[s1 - 1] < t1 <= cu[s1]
+        parts = [(max(t0, cu[s]), min(t1, cu[s + 1])) for s in range(s0, s1)]
+        assert all(a < b for a, b in parts)
+        assert sum(-(-(b - a) // CHUNK) for a, b in parts) <= max_chunks and s1 - s0 <= max_seqs
+
+
+def test_a_step_within_one_group_is_not_grouped():
+    assert prefill_groups.plan(torch.tensor([0, 4096], dtype=torch.int32), CHUNK, None) is None
+    assert prefill_groups.plan(torch.tensor(list(range(65)), dtype=torch.int32), CHUNK, None) is None
+    assert prefill_groups.split([0, 4097], CHUNK) == [(0, 4096, 0, 1), (4096, 4097, 0, 1)]
+    assert prefill_groups.split(list(range(66)), CHUNK) == [(0, 64, 0, 64), (64, 65, 64, 65)]
+
+
+HK, HV, D = 1, 2, 8
+
+
+def step_inputs(gen, cu: list[int], state_dtype):
+    tokens, seqs = cu[-1], len(cu) - 1
+    q = F.normalize(torch.randn(1, tokens, HK, D, generator=gen), dim=-1).to(torch.bfloat16)
+    k = F.normalize(torch.randn(1, tokens, HK, D, generator=gen), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, tokens, HV, D, generator=gen).to(torch.bfloat16)
+    g = -F.softplus(torch.randn(1, tokens, HV, generator=gen))
+    beta = torch.sigmoid(torch.randn(1, tokens, HV, generator=gen))
+    initial = (0.3 * torch.randn(seqs, HV, D, D, generator=gen)).to(state_dtype)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial, use_qk_l2norm_in_kernel=False)
+
+
+def on_device(record):
+    """plan()'s to_device, on the CPU: the group's query start locations and fake chunk metadata
+    naming the group (each group's must reach its own call)."""
+    def to_device(cu):
+        record.append(cu.clone())
+        return cu, torch.full((1,), len(record)), None
+    return to_device
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_grouped_step_matches_one_call_of_the_reference(state_dtype):
+    gen = torch.Generator().manual_seed(461 if state_dtype == torch.float32 else 462)
+    # long sequences cut across groups, short ones packed, one sequence of one token
+    lens = [300, 1, 5, 130, 64, 65, 17, 250, 3, 90]
+    cu = [0, *accumulate(lens)]
+    args = step_inputs(gen, cu, state_dtype)
+    whole_op = ReferencePrefill()
+    o_ref, f_ref = whole_op(**args | {"initial_state": args["initial_state"].clone()}, output_final_state=True,
+                            cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    record = []
+    groups = prefill_groups.plan(torch.tensor(cu, dtype=torch.int32), CHUNK, on_device(record))
+    # small bounds for a small step: many groups, cuts in several sequences
+    groups_small = [prefill_groups.PrefillGroup((t0, t1), (s0, s1), *on_device(record)(
+                        torch.tensor([t0, *(x for x in cu[s0 + 1:s1] if t0 < x < t1), t1], dtype=torch.int32) - t0))
+                    for t0, t1, s0, s1 in prefill_groups.split(cu, CHUNK, max_chunks=3, max_seqs=2)]
+    assert groups is None and len(groups_small) > len(lens) // 2
+    op = ReferencePrefill()
+    state = args["initial_state"].clone()
+    initial_before = state.clone()
+    out, final = prefill_groups.run(op, groups_small, **args | {"initial_state": state})
+    assert final is state  # the final states went over the gathered ones, in their dtype
+    assert final.dtype == state_dtype
+    assert len(op.calls) == len(groups_small)
+    for call, grp in zip(op.calls, groups_small):  # each group's own metadata reached its call
+        assert torch.equal(call["cu_seqlens"], grp.cu_seqlens) and call["chunk_indices"] is grp.chunk_indices
+        assert call["q"].shape[1] == grp.tokens[1] - grp.tokens[0]
+    first_parts = {grp.seqs[0] for grp in groups_small}
+    for s in range(len(lens)):  # a sequence's first part starts from the state vLLM gathered
+        first_call = next(c for c, grp in zip(op.calls, groups_small) if grp.seqs[0] <= s < grp.seqs[1])
+        grp = next(grp for grp in groups_small if grp.seqs[0] <= s < grp.seqs[1])
+        assert torch.equal(first_call["initial_state"][s - grp.seqs[0]], initial_before[s]) or s in first_parts
+    tol = dict(atol=2e-2, rtol=2e-2) if state_dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), o_ref.float(), atol=2e-2, rtol=2e-2)  # bf16 outputs
+    torch.testing.assert_close(final.float(), f_ref.to(state_dtype).float(), **tol)
+    assert out.dtype == o_ref.dtype and out.shape == o_ref.shape
+
+
+def test_every_output_token_and_state_row_is_written():
+    """Poisoned output and state rows: after a grouped run, none of the poison is left."""
+    gen = torch.Generator().manual_seed(463)
+    cu = [0, *accumulate([70, 1, 200, 9, 64])]
+    args = step_inputs(gen, cu, torch.float32)
+    state = torch.full_like(args["initial_state"], float("nan"))
+    ranges = prefill_groups.split(cu, CHUNK, max_chunks=2, max_seqs=2)
+    groups = [prefill_groups.PrefillGroup((t0, t1), (s0, s1),
+                                          torch.tensor([t0, *(x for x in cu[s0 + 1:s1] if t0 < x < t1), t1]) - t0)
+              for t0, t1, s0, s1 in ranges]
+
+    def zero_state_op(**kw):  # a state it never reads: only the writes are under test
+        kw["initial_state"] = torch.zeros_like(kw["initial_state"])
+        return ReferencePrefill()(**kw)
+
+    out, final = prefill_groups.run(zero_state_op, groups, **args | {"initial_state": state})
+    assert not out.float().isnan().any() and not final.isnan().any()
+
+
+class FakeOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, **kw):
+        self.calls.append(kw)
+        return torch.zeros(1, kw["q"].shape[1], HV, D), torch.ones(kw["initial_state"].shape)
+
+
+def test_the_layers_op_runs_the_steps_groups_and_vllms_call_otherwise():
+    gen = torch.Generator().manual_seed(464)
+    cu = [0, 100, 300]
+    args = step_inputs(gen, cu, torch.float32)
+    split = prefill_groups.split(cu, CHUNK, max_chunks=2)
+    groups = tuple(prefill_groups.PrefillGroup((t0, t1), (s0, s1), torch.tensor([0, t1 - t0]))
+                   for t0, t1, s0, s1 in split)
+    step = {"groups": groups}
+    op = FakeOp()
+    wrapped = prefill_groups.GroupedPrefillOp(op, lambda: step["groups"])
+    call = args | dict(output_final_state=True, cu_seqlens=torch.tensor(cu), chunk_indices="whole")
+    wrapped(**call)
+    assert len(op.calls) == len(groups) and all(c["chunk_indices"] is None for c in op.calls)
+    for no_groups in (None, groups[:-1]):  # none this step; groups of another call (they do not fit)
+        op.calls.clear()
+        step["groups"] = no_groups
+        wrapped(**call)
+        (c,) = op.calls
+        assert c["chunk_indices"] == "whole" and c["initial_state"] is args["initial_state"]
+    op.calls.clear()
+    step["groups"] = groups
+    wrapped(**call | {"core_attn_out": torch.empty(1)})  # vLLM's own output buffer: vLLM's call
+    assert len(op.calls) == 1
+
+
+def test_the_profile_step_runs_its_costliest_group_first():
+    lens = prefill_profile.group_filling_lens(16384, 512, CHUNK)
+    cu = [0, *accumulate(lens)]
+    t0, t1, s0, s1 = prefill_groups.split(cu, CHUNK)[0]
+    assert (s1 - s0, -(-(t1 - t0) // CHUNK)) == (prefill_groups.GROUP_SEQS, prefill_groups.GROUP_CHUNKS)
+    for tokens, seqs in ((16384, 512), (16384, 32), (16384, 1), (20, 3), (100, 70)):
+        lens = prefill_profile.group_filling_lens(tokens, seqs, CHUNK)
+        assert len(lens) == seqs and sum(lens) == tokens and min(lens) >= 1
+    op = ReferencePrefill()
+    qkv = torch.randn(300, (2 * HK + HV) * D).to(torch.bfloat16)
+    prefill_profile.prefill_step(op, qkv, (HK, HV), (HV, D, D), torch.float32, 70, CHUNK)
+    assert len(op.calls) == 2 and op.calls[0]["initial_state"].shape[0] == prefill_groups.GROUP_SEQS
+
+
+if not os.environ.get("CI"):
+    pytest.importorskip("vllm")
+
+
+def test_the_builder_draws_groups_beside_vllms_chunk_metadata(monkeypatch):
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    from replayssm_patch.vllm.gdn_backend import ReplayGDNAttentionMetadataBuilder
+
+    seen = []
+
+    def vllm_chunk_metadata(self, cu, cu_cpu, device):  # as vLLM >= 0.33's, from the host copy
+        seen.append(cu_cpu.clone())
+        return torch.tensor([len(seen)]), None
+
+    monkeypatch.setattr(GDNAttentionMetadataBuilder, "_build_chunk_metadata", vllm_chunk_metadata, raising=False)
+    monkeypatch.setattr(prefill_groups, "fla_chunk_size", lambda: CHUNK)
+    builder = ReplayGDNAttentionMetadataBuilder.__new__(ReplayGDNAttentionMetadataBuilder)
+    cu = torch.tensor([0, 5000, 5010, 5100], dtype=torch.int32)
+    for backend, grouped in (("triton", True), ("flashinfer", False)):
+        seen.clear()
+        builder.gdn_prefill_backend, builder._prefill_groups = backend, None
+        whole = builder._build_chunk_metadata(cu, cu, "cpu")
+        assert torch.equal(whole[0], torch.tensor([1])) and torch.equal(seen[0], cu)  # vLLM's own, first
+        groups = builder._prefill_groups
+        if not grouped:
+            assert groups is None and len(seen) == 1
+            continue
+        assert [(grp.tokens, grp.seqs) for grp in groups] == [((0, 4096), (0, 1)), ((4096, 5100), (0, 3))]
+        assert torch.equal(groups[1].cu_seqlens, torch.tensor([0, 904, 914, 1004], dtype=torch.int32))
+        assert [grp.chunk_indices.item() for grp in groups] == [2, 3]  # vLLM's, per group
+        assert [s.tolist() for s in seen[1:]] == [[0, 4096], [0, 904, 914, 1004]]
