@@ -11,10 +11,12 @@ then, measured, the causal conv's output, q/k/v/g/beta split from it, the N stat
 `chunk_gated_delta_rule` with those initial states (vLLM's FLA op), the final states converted to
 be scattered back. Sequence lengths are even (`--tokens` // N); many short sequences are the worst
 case (each costs at least one chunk of the scan's per-chunk states, and one gathered and one final
-state).
+state). `--grouped`: the step as a ring layer runs it on vLLM >= 0.33 (replayssm_patch.vllm.
+prefill_groups: the op per group of chunks, final states over the gathered ones), with the lengths
+that make its first group the costliest a group may be.
 
     python benchmarks/gdn_prefill_memory.py [--tokens 16384] [--seqs 1,32,128,256,512]
-        [--key-heads 16] [--value-heads 32] [--head-dim 128] [--state-dtype float32] [--out FILE]
+        [--key-heads 16] [--value-heads 32] [--head-dim 128] [--state-dtype float32] [--grouped] [--out FILE]
 
 The defaults are the GDN layer of the benchmarks' 9B, 4B and MoE shapes (e2e_decode.py), tensor
 parallelism 1 (divide the heads by TP for a rank). Needs vLLM (>= 0.33) and a CUDA GPU
@@ -39,10 +41,11 @@ def chunk_op():
     return chunk_gated_delta_rule
 
 
-def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, state_dtype: str) -> dict:
+def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, state_dtype: str, grouped: bool) -> dict:
     import torch
 
-    from replayssm_patch.vllm.prefill_profile import prefill_step, seq_lens
+    from replayssm_patch.vllm import prefill_groups
+    from replayssm_patch.vllm.prefill_profile import group_filling_lens, prefill_step, seq_lens
 
     dev = "cuda"
     gen = torch.Generator(dev).manual_seed(seqs)
@@ -50,12 +53,14 @@ def measure(tokens: int, seqs: int, hk: int, hv: int, d: int, state_dtype: str) 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    prefill_step(chunk_op(), qkv_in, (hk, hv), (hv, d, d), getattr(torch, state_dtype), seqs)
+    chunk = prefill_groups.fla_chunk_size() if grouped else None
+    prefill_step(chunk_op(), qkv_in, (hk, hv), (hv, d, d), getattr(torch, state_dtype), seqs, chunk)
     torch.cuda.synchronize()
     above = torch.cuda.max_memory_allocated() - before
     del qkv_in
     torch.cuda.empty_cache()
-    return {"seqs": seqs, "tokens": tokens, "min_len": min(seq_lens(tokens, seqs)), "peak_above_inputs_gib": above / GIB,
+    lens = group_filling_lens(tokens, seqs, chunk) if grouped else seq_lens(tokens, seqs)
+    return {"seqs": seqs, "tokens": tokens, "min_len": min(lens), "peak_above_inputs_gib": above / GIB,
             "per_token_kib": above / tokens / 1024}
 
 
@@ -80,6 +85,8 @@ def main() -> None:
     ap.add_argument("--value-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--grouped", action="store_true",
+                    help="the step as a ring layer runs it, per group (prefill_groups), its costliest group first")
     ap.add_argument("--out", default="gdn_prefill_memory.json")
     args = ap.parse_args()
     seqs = checked_seqs(ap, args)
@@ -90,10 +97,10 @@ def main() -> None:
     import vllm
 
     hk, hv, d = args.key_heads, args.value_heads, args.head_dim
-    measure(64, 1, hk, hv, d, args.state_dtype)  # the autotuner's first tries (and their buffers) first
+    measure(64, 1, hk, hv, d, args.state_dtype, args.grouped)  # the autotuner's first tries (and their buffers) first
     rows = []
     for n in seqs:
-        rows.append(measure(args.tokens, n, hk, hv, d, args.state_dtype))
+        rows.append(measure(args.tokens, n, hk, hv, d, args.state_dtype, args.grouped))
         r = rows[-1]
         print(f"[prefill memory] {args.tokens} tokens over {n} sequences (>= {r['min_len']} tokens each): "
               f"{r['peak_above_inputs_gib']:.3f} GiB above the inputs ({r['per_token_kib']:.1f} KiB per token)",
@@ -102,6 +109,7 @@ def main() -> None:
               "command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(0),
               "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
               "gdn": {"key_heads": hk, "value_heads": hv, "head_dim": d, "state_dtype": args.state_dtype},
+              "grouped": args.grouped,
               "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -17,11 +17,12 @@
 #     also checks every GDN layer on the ring, to $OUT/e2e_agreement_decisive_flag.json + logs
 #   bash benchmarks/gpu_run.sh prefillmem      # issue 46 (needs install): benchmarks/gdn_prefill_memory.py, the memory
 #     vLLM's GDN prefill takes above its inputs for 16384 tokens over 1-512 sequences (what vLLM's memory profile
-#     does not see), fp32 then bf16 state, to $OUT/gdn_prefill_memory_{fp32,bf16}.json. Seconds, no engine
-#   bash benchmarks/gpu_run.sh prefillgroups   # issue 46 (needs install, or vltree and PYTHONPATH=/tmp/vl):
-#     benchmarks/gdn_prefill_groups.py, vLLM's GDN prefill op once over a step's sequences and per group of them
-#     (at most 4096 tokens and 64 sequences a group): bit-identical or not, and the memory each holds above its
-#     inputs, to $OUT/gdn_prefill_groups.json. Seconds, no engine
+#     does not see), fp32 then bf16 state, in one call as vLLM runs it and per group as a ring layer does, to
+#     $OUT/gdn_prefill_memory_{fp32,bf16}{,_grouped}.json. Seconds, no engine
+#   bash benchmarks/gpu_run.sh prefillgroups   # issue 46 (needs install):
+#     benchmarks/gdn_prefill_groups.py, vLLM's GDN prefill op once over a step's sequences and per group as a
+#     ring layer runs it (replayssm_patch/vllm/prefill_groups.py): bit-identical or not, and the memory each holds
+#     above its inputs, to $OUT/gdn_prefill_groups.json. Seconds, no engine
 #   bash benchmarks/gpu_run.sh prefillprof     # issue 46 (needs install; fiinstall with vLLM 0.34):
 #     tests/gpu/test_prefill_profile_gpu.py, the GDN prefill step a ring engine adds to vLLM's memory profile
 #     (tiny checkpoint, native then patched engine), to $OUT/prefillprof.log + the arms' logs. Two engine starts: start it with `bg`
@@ -212,6 +213,8 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
     rc=0
     for st in float32:fp32 bfloat16:bf16; do
       python3 benchmarks/gdn_prefill_memory.py --state-dtype "${st%%:*}" --out "$OUT/gdn_prefill_memory_${st##*:}.json" || rc=1
+      python3 benchmarks/gdn_prefill_memory.py --state-dtype "${st%%:*}" --grouped \
+        --out "$OUT/gdn_prefill_memory_${st##*:}_grouped.json" || rc=1
     done
     exit $rc ;;
   agreeu)  # decisive checkpoint, fp32 SSM state, native-vs-native-unpacked control
