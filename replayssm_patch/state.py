@@ -37,6 +37,7 @@ class PatchState:
     layers: dict[str, str] = field(default_factory=dict)  # GDN layer prefix -> "ring" | "native: why"
     stats: Counter = field(default_factory=Counter)  # ring operations run in this process
     logged: set[str] = field(default_factory=set)
+    log_keys: set[str] = field(default_factory=set)  # log_once keys already written
     # the config in force when vLLM created this process's first engine (the plugin notes it):
     # a later patch() with other options came too late for that engine
     engine_config: ReplayConfig | None = None
@@ -85,10 +86,14 @@ class PatchState:
                 published = counters
             time.sleep(seconds)
 
-    def log_once(self, level: int, msg: str) -> None:
-        if msg not in self.logged:
-            self.logged.add(msg)
-            logger.log(level, msg)
+    def log_once(self, level: int, msg: str, key: str | None = None) -> None:
+        """Log `msg` once per process: once per text, or, with `key`, once per key (its first text)."""
+        if msg in self.logged or (key is not None and key in self.log_keys):
+            return
+        self.logged.add(msg)
+        if key is not None:
+            self.log_keys.add(key)
+        logger.log(level, msg)
 
     def reset(self) -> None:
         """Forget everything (tests): undo what was installed, then start afresh."""

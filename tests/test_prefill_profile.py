@@ -169,3 +169,14 @@ def test_which_ring_layers_group_their_prefill(platform, backend, chunk_metadata
     monkeypatch.setattr(versions, "capabilities", lambda: replace(caps, gdn_chunk_metadata=chunk_metadata))
     layer = profile_layer(platform, backend=backend)
     assert layer._groups_prefill() == grouped
+
+
+def test_the_profile_step_is_logged_once_for_the_process(vllm_warmup, clean_patch_state, monkeypatch):
+    """Every ring layer profiles its step; the first one's line says what it raised the peak by,
+    the others' (whose steps fit under that peak) add no line of their own."""
+    peaks = iter([10 << 30, 11 << 30, 11 << 30, 11 << 30])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(peaks))
+    for _ in range(2):
+        profile_layer("cuda")._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D).to(torch.bfloat16), 0)
+    lines = [m for m in clean_patch_state.logged if "GDN prefill step of" in m]
+    assert len(lines) == 1 and "raised the profile's peak by 1.00 GiB" in lines[0]

@@ -210,7 +210,8 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         STATE.log_once(logging.INFO, f"replayssm_patch: vLLM's memory profile includes a GDN prefill step of {tokens} "
                                      f"tokens over {seqs} sequences ({backend} prefill, {how}), which vLLM's own "
                                      f"profile leaves out: it raised the profile's peak by {raised:.2f} GiB, which "
-                                     "the KV cache gives up")
+                                     "the KV cache gives up",
+                       key="prefill profile step")  # the first layer's: the others' steps fit under its peak
 
     # -- forward ----------------------------------------------------------------------------
     def ring_metadata(self) -> ReplayGDNAttentionMetadata | None:
