@@ -165,7 +165,9 @@ def plain_decode_min_batch(facts: ModelFacts, state_dtype: str, ring_dtype: str)
 def prefill_step_bytes(facts: ModelFacts, state_dtype: str, seqs: int) -> float:
     """What one GDN prefill step of max_num_batched_tokens tokens over `seqs` sequences holds above
     its input (the step a ring engine's memory profile adds: vllm/prefill_profile.py), from the
-    table's line through the measured steps (fp16 states read bf16's)."""
+    table's line through the measured steps (fp16 states read bf16's). The line is the step in one
+    call; where ring layers run it per group (vllm/prefill_groups.py) it is smaller, so there the
+    estimate errs toward fewer requests."""
     lines = tables()["prefill_step"]
     line = lines.get(state_dtype, lines["bf16"])
     return (facts.max_num_batched_tokens * line["per_token"] * facts.qkv_bytes_per_token
