@@ -50,7 +50,7 @@ and nothing else (no patch(), no VLLM_GDN_REPLAYSSM); the run also checks that e
 engine reports (`status(llm)`) decodes through the ring, and exits 1 otherwise.
 
     python benchmarks/e2e_agreement.py [--out results.json] [--tag NAME] [--tokens 256]
-        [--requests 32] [--checkpoint decisive|plain] [--mtp T]
+        [--requests 32] [--checkpoint decisive|plain] [--scenario staggered|batch] [--mtp T]
         [--tp N] [--gdn-heads HK,HV] [--use-replayssm]
 
 Written for a CUDA GPU and vLLM (>= 0.29, < 0.35). With the offline bundle, vLLM runs with
@@ -211,6 +211,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--ring-len", type=int, default=16)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--scenario", choices=["staggered", "batch"], default="staggered",
+                    help="staggered: one request a step (mixed prefill and decode); batch: every prompt in the "
+                         "first steps (prefills over many sequences: the ring layer's prefill groups)")
     ap.add_argument("--states", default="float32,bfloat16", help="SSM state dtypes to run")
     ap.add_argument("--no-control", action="store_true", help="skip the native-vs-native control engines (one per SSM state)")
     ap.add_argument("--control-unpacked", action="store_true",
@@ -271,7 +274,7 @@ def main() -> None:
     states = args.states.split(",")
     for state in states:
         eng = dict(base, mamba_ssm_cache_dtype=state)
-        engines.append({"name": state, "scenario": "staggered", "engine": eng, "prompts": prompts,
+        engines.append({"name": state, "scenario": args.scenario, "engine": eng, "prompts": prompts,
                         "max_tokens": [args.tokens] * len(prompts)})
     # per state: the same native engine with another batch size (max_num_seqs=8)
     controls = [] if args.no_control else [

@@ -23,6 +23,10 @@
 #     benchmarks/gdn_prefill_groups.py, vLLM's GDN prefill op once over a step's sequences and per group as a
 #     ring layer runs it (replayssm_patch/vllm/prefill_groups.py): bit-identical or not, and the memory each holds
 #     above its inputs, to $OUT/gdn_prefill_groups.json. Seconds, no engine
+#   bash benchmarks/gpu_run.sh agreegroups     # issue 46 (needs install): e2e_agreement.py with every prompt at once
+#     (--scenario batch, 64 requests of 8-300 tokens, prefix caching on, fp32 and bf16 states, native control on),
+#     so that prefill steps span more than one of the ring layer's prefill groups (cut sequences among them), to
+#     $OUT/e2e_agreement_groups.json + logs. Four engine starts: start it with `bg`
 #   bash benchmarks/gpu_run.sh prefillprof     # issue 46 (needs install; fiinstall with vLLM 0.34):
 #     tests/gpu/test_prefill_profile_gpu.py, the GDN prefill step a ring engine adds to vLLM's memory profile
 #     (tiny checkpoint, native then patched engine), to $OUT/prefillprof.log + the arms' logs. Two engine starts: start it with `bg`
@@ -216,6 +220,13 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       python3 benchmarks/gdn_prefill_memory.py --state-dtype "${st%%:*}" --grouped \
         --out "$OUT/gdn_prefill_memory_${st##*:}_grouped.json" || rc=1
     done
+    exit $rc ;;
+  agreegroups)  # issue 46 (see the header)
+    rc=0
+    python3 benchmarks/e2e_agreement.py --tag groups --scenario batch --requests 64 \
+      --out "$OUT/e2e_agreement_groups.json" --workdir /tmp/agreegroups 2>&1 | tail -20 || rc=1
+    cp /tmp/agreegroups/*.log "$OUT/" 2>/dev/null || true
+    grep -h "GDN prefill step" /tmp/agreegroups/*.log | head -2
     exit $rc ;;
   agreeu)  # decisive checkpoint, fp32 SSM state, native-vs-native-unpacked control
     rc=0
