@@ -45,6 +45,8 @@ def test_groups_cover_the_step_within_their_bounds(seed):
             if cut:  # a sequence is cut only at one of its own chunk boundaries
                 assert (t1 - cu[s1 - 1]) % CHUNK == 0
         assert cu[s0] <= t0 < cu[s0 + 1] and cu[s1 - 1] < t1 <= cu[s1]
+        if t0 > cu[s0]:  # a group that goes on with a cut sequence holds nothing else
+            assert s1 - s0 == 1
         parts = [(max(t0, cu[s]), min(t1, cu[s + 1])) for s in range(s0, s1)]
         assert all(a < b for a, b in parts)
         assert sum(-(-(b - a) // CHUNK) for a, b in parts) <= max_chunks and s1 - s0 <= max_seqs
@@ -55,6 +57,8 @@ def test_a_step_within_one_group_is_not_grouped():
     assert prefill_groups.plan(torch.tensor(list(range(65)), dtype=torch.int32), CHUNK, None) is None
     assert prefill_groups.split([0, 4097], CHUNK) == [(0, 4096, 0, 1), (4096, 4097, 0, 1)]
     assert prefill_groups.split(list(range(66)), CHUNK) == [(0, 64, 0, 64), (64, 65, 64, 65)]
+    assert prefill_groups.split([0, 100, 103, 300], CHUNK, max_chunks=2) == [
+        (0, 100, 0, 1), (100, 167, 1, 3), (167, 295, 2, 3), (295, 300, 2, 3)]
 
 
 HK, HV, D = 1, 2, 8
@@ -93,9 +97,8 @@ def test_a_grouped_step_matches_one_call_of_the_reference(state_dtype):
     record = []
     groups = prefill_groups.plan(torch.tensor(cu, dtype=torch.int32), CHUNK, on_device(record))
     # small bounds for a small step: many groups, cuts in several sequences
-    groups_small = [prefill_groups.PrefillGroup((t0, t1), (s0, s1), *on_device(record)(
-                        torch.tensor([t0, *(x for x in cu[s0 + 1:s1] if t0 < x < t1), t1], dtype=torch.int32) - t0))
-                    for t0, t1, s0, s1 in prefill_groups.split(cu, CHUNK, max_chunks=3, max_seqs=2)]
+    groups_small = prefill_groups.plan(torch.tensor(cu, dtype=torch.int32), CHUNK, on_device(record),
+                                       max_chunks=3, max_seqs=2)
     assert groups is None and len(groups_small) > len(lens) // 2
     op = ReferencePrefill()
     state = args["initial_state"].clone()
@@ -124,10 +127,7 @@ def test_every_output_token_and_state_row_is_written():
     cu = [0, *accumulate([70, 1, 200, 9, 64])]
     args = step_inputs(gen, cu, torch.float32)
     state = torch.full_like(args["initial_state"], float("nan"))
-    ranges = prefill_groups.split(cu, CHUNK, max_chunks=2, max_seqs=2)
-    groups = [prefill_groups.PrefillGroup((t0, t1), (s0, s1),
-                                          torch.tensor([t0, *(x for x in cu[s0 + 1:s1] if t0 < x < t1), t1]) - t0)
-              for t0, t1, s0, s1 in ranges]
+    groups = prefill_groups.plan(torch.tensor(cu), CHUNK, lambda c: (c, None, None), max_chunks=2, max_seqs=2)
 
     def zero_state_op(**kw):  # a state it never reads: only the writes are under test
         kw["initial_state"] = torch.zeros_like(kw["initial_state"])
@@ -214,7 +214,34 @@ def test_the_builder_draws_groups_beside_vllms_chunk_metadata(monkeypatch):
         if not grouped:
             assert groups is None and len(seen) == 1
             continue
-        assert [(grp.tokens, grp.seqs) for grp in groups] == [((0, 4096), (0, 1)), ((4096, 5100), (0, 3))]
-        assert torch.equal(groups[1].cu_seqlens, torch.tensor([0, 904, 914, 1004], dtype=torch.int32))
-        assert [grp.chunk_indices.item() for grp in groups] == [2, 3]  # vLLM's, per group
-        assert [s.tolist() for s in seen[1:]] == [[0, 4096], [0, 904, 914, 1004]]
+        assert [(grp.tokens, grp.seqs) for grp in groups] == [((0, 4096), (0, 1)), ((4096, 5000), (0, 1)),
+                                                               ((5000, 5100), (1, 3))]
+        assert torch.equal(groups[2].cu_seqlens, torch.tensor([0, 10, 100], dtype=torch.int32))
+        assert [grp.chunk_indices.item() for grp in groups] == [2, 3, 4]  # vLLM's, per group
+        assert [s.tolist() for s in seen[1:]] == [[0, 4096], [0, 904], [0, 10, 100]]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_cut_sequence_goes_on_from_the_state_the_op_gave(state_dtype):
+    """The next part of a cut sequence starts from its first part's final state as the op returned
+    it (fp32), never rounded to a 16-bit pool's dtype in between: one call keeps it in fp32."""
+    gen = torch.Generator().manual_seed(465)
+    cu = [0, *accumulate([100, 3, 150])]
+    args = step_inputs(gen, cu, state_dtype)
+    inner, finals = ReferencePrefill(), []
+
+    def op(**kw):
+        o, f = inner(**kw)
+        finals.append(f)
+        return o, f
+
+    groups = prefill_groups.plan(torch.tensor(cu), CHUNK, lambda c: (c, None, None), max_chunks=2, max_seqs=8)
+    prefill_groups.run(op, groups, **args | {"initial_state": args["initial_state"].clone()})
+    cuts = [i for i in range(len(groups) - 1) if groups[i + 1].seqs[0] == groups[i].seqs[1] - 1]
+    assert cuts
+    for i in cuts:
+        given = inner.calls[i + 1]["initial_state"][0]
+        assert given.dtype == torch.float32 and torch.equal(given, finals[i][-1])
+    # a group that goes on with no cut sequence reads the gathered states in the pool's dtype
+    assert any(inner.calls[i + 1]["initial_state"].dtype == state_dtype
+               for i in range(len(groups) - 1) if i not in cuts)

@@ -5,11 +5,12 @@ grow with the step's 64-token chunks (up to max_num_batched_tokens / 64 plus one
 its final states with the step's sequences (up to max_num_seqs), and a ring engine's memory
 profile holds that worst step back from the KV cache (prefill_profile). Called per group of at
 most GROUP_CHUNKS chunks of at most GROUP_SEQS sequences, the op holds one group's temporaries. A
-sequence longer than a group's room is cut at a chunk boundary and goes on in the next group
-from the state the first part ended in. Each group writes its outputs into the step's output and
-its final states over the rows of the initial states vLLM gathered for the step, which the next
-part of a cut sequence reads and vLLM then scatters back into the state pool as it would the
-op's final states. Every chunk goes through the same kernels with the same inputs either way;
+sequence longer than a group's room is cut at a chunk boundary; its next part runs in a group of
+its own, from the state the part before ended in as the op returned it (fp32, as one call keeps
+it between chunks; a 16-bit pool's rounding would change the bits). Each group writes its
+outputs into the step's output and its final states over the rows of the initial states vLLM
+gathered for the step, which vLLM then scatters back into the state pool as it would the op's
+final states. Every chunk goes through the same kernels with the same inputs either way;
 whether the results are identical bit for bit and what the groups save:
 benchmarks/gdn_prefill_groups.py and its results in benchmarks/results/.
 
@@ -45,8 +46,9 @@ def split(cu_seqlens: Sequence[int], chunk_size: int, max_chunks: int = GROUP_CH
           max_seqs: int = GROUP_SEQS) -> list[tuple[int, int, int, int]]:
     """Consecutive groups (first token, end token, first sequence, end sequence) of the step whose
     query start locations are `cu_seqlens`, each of at most `max_chunks` chunks of at most
-    `max_seqs` sequences (parts of sequences: a sequence is cut where a group's chunks run out,
-    which is a chunk boundary of the sequence)."""
+    `max_seqs` sequences. A sequence is cut where a group's chunks run out (a chunk boundary of
+    the sequence); the groups that go on with it hold nothing else, so that its state passes
+    between them as the op gives it (`run`)."""
     groups, t0, s0, chunks = [], 0, 0, 0
     for s in range(len(cu_seqlens) - 1):
         t, end = cu_seqlens[s], cu_seqlens[s + 1]
@@ -57,17 +59,21 @@ def split(cu_seqlens: Sequence[int], chunk_size: int, max_chunks: int = GROUP_CH
             take = min(end - t, (max_chunks - chunks) * chunk_size)
             chunks += -(-take // chunk_size)
             t += take
-    groups.append((t0, cu_seqlens[-1], s0, len(cu_seqlens) - 1))
+        if t0 > cu_seqlens[s]:  # a group that went on with s ends with it
+            groups.append((t0, end, s, s + 1))
+            t0, s0, chunks = end, s + 1, 0
+    if t0 < cu_seqlens[-1] or not groups:
+        groups.append((t0, cu_seqlens[-1], s0, len(cu_seqlens) - 1))
     return groups
 
 
-def plan(cu_seqlens_cpu: torch.Tensor, chunk_size: int,
-         to_device: Callable[[torch.Tensor], tuple]) -> tuple[PrefillGroup, ...] | None:
-    """The step's groups, or None where one call holds no more than a group. `to_device(cu)`
-    gives a group's host query start locations (from 0) as (cu_seqlens, chunk_indices,
-    chunk_offsets) for the op."""
+def plan(cu_seqlens_cpu: torch.Tensor, chunk_size: int, to_device: Callable[[torch.Tensor], tuple],
+         max_chunks: int = GROUP_CHUNKS, max_seqs: int = GROUP_SEQS) -> tuple[PrefillGroup, ...] | None:
+    """The step's groups (`split`), or None where one call holds no more than a group.
+    `to_device(cu)` gives a group's host query start locations (from 0) as (cu_seqlens,
+    chunk_indices, chunk_offsets) for the op."""
     cu = cu_seqlens_cpu.tolist()
-    ranges = split(cu, chunk_size)
+    ranges = split(cu, chunk_size, max_chunks, max_seqs)
     if len(ranges) < 2:
         return None
     groups = []
@@ -89,19 +95,22 @@ def run(op, groups: Sequence[PrefillGroup], *, q, k, v, g, beta, initial_state, 
     """`op` (vLLM's chunk_gated_delta_rule interface) per group: the step's outputs, and its
     final states written over `initial_state` (the states vLLM gathered for the step, in the
     state pool's dtype, as vLLM converts them before its scatter), which is returned as them. A
-    cut sequence's next part starts from the state its row holds then, the part before's."""
-    out = None
-    for grp in groups:
+    cut sequence's next part starts from the state its part before ended in, as the op gave it
+    (fp32: one call never rounds it to the pool's dtype between chunks)."""
+    out, carry = None, None
+    for grp, nxt in zip(groups, [*groups[1:], None]):
         (t0, t1), (s0, s1) = grp.tokens, grp.seqs
+        init = initial_state[s0:s1] if carry is None else carry[None]  # (split: a cut sequence's group is its own)
         o, final = op(q=q[:, t0:t1], k=k[:, t0:t1], v=v[:, t0:t1], g=g[:, t0:t1], beta=beta[:, t0:t1],
-                      initial_state=initial_state[s0:s1], output_final_state=True,
+                      initial_state=init, output_final_state=True,
                       **(kwargs | {"cu_seqlens": grp.cu_seqlens, "chunk_indices": grp.chunk_indices,
                                    "chunk_offsets": grp.chunk_offsets}))
         if out is None:
             out = o.new_empty((o.shape[0], q.shape[1], *o.shape[2:]))
         out[:, t0:t1] = o
         initial_state[s0:s1] = final
-        del o, final  # before the next group's temporaries
+        carry = final[-1].clone() if nxt is not None and nxt.seqs[0] == s1 - 1 else None
+        del o, final, init  # before the next group's temporaries
     return out, initial_state
 
 
