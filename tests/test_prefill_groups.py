@@ -205,9 +205,11 @@ def test_the_builder_draws_groups_beside_vllms_chunk_metadata(monkeypatch):
     monkeypatch.setattr(prefill_groups, "fla_chunk_size", lambda: CHUNK)
     builder = ReplayGDNAttentionMetadataBuilder.__new__(ReplayGDNAttentionMetadataBuilder)
     cu = torch.tensor([0, 5000, 5010, 5100], dtype=torch.int32)
-    for backend, grouped in (("triton", True), ("flashinfer", False)):
+    for backend, platform, grouped in (("triton", "cuda", True), ("flashinfer", "cuda", False),
+                                       ("triton", "cpu", False)):
         seen.clear()
         builder.gdn_prefill_backend, builder._prefill_groups = backend, None
+        builder.groups_prefill = platform == "cuda"
         whole = builder._build_chunk_metadata(cu, cu, "cpu")
         assert torch.equal(whole[0], torch.tensor([1])) and torch.equal(seen[0], cu)  # vLLM's own, first
         groups = builder._prefill_groups

@@ -92,6 +92,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.min_batch = plan.min_batch
         self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
         self._prefill_groups = None  # this build's, from _build_chunk_metadata
+        self.groups_prefill = plan.platform == "cuda"  # as the ring layers (gdn_layer._groups_prefill)
         metadata_reuse.opt_in(self, vllm_config, device)
         STATE.publish_stats_in_background(worker_counters.PUBLISH_SECONDS)  # once per worker process
 
@@ -118,7 +119,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         with the Triton (FLA) prefill op, the step's groups for the ring layers' prefill op
         (prefill_groups), each with its own chunk metadata from vLLM's same function."""
         whole = super()._build_chunk_metadata(prefill_query_start_loc, prefill_query_start_loc_cpu, device)
-        if self.gdn_prefill_backend == "triton":
+        if self.groups_prefill and self.gdn_prefill_backend == "triton":
             def to_device(cu):
                 return (to_op_device(cu, device),
                         *super(ReplayGDNAttentionMetadataBuilder, self)._build_chunk_metadata(None, cu, device))
