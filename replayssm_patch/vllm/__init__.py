@@ -236,7 +236,8 @@ POINTS = (
     PatchPoint(
         "wrap", QWEN_GDN_MODULE, f"{LAYER_CLASS}.chunk_gated_delta_rule (prefill op)",
         "replayssm_patch.vllm.prefill_groups:GroupedPrefillOp", platform="cuda", vllm_versions=">=0.33",
-        what="a ring layer's prefill op runs a step's scan per group of whole sequences",
+        what="a ring layer's prefill op runs a step's scan per group of chunks (long sequences cut at chunk "
+             "boundaries, their state passed on in fp32)",
         why="one call over a whole step holds temporaries for all its tokens and final states for all its "
             "sequences; the ring engine's memory profile holds that step back from the KV cache",
         how="the layer's op wrapped: groups drawn by the ring's builder beside vLLM's chunk metadata "
