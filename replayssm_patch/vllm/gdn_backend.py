@@ -120,8 +120,10 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         (prefill_groups), each with its own chunk metadata from vLLM's same function."""
         whole = super()._build_chunk_metadata(prefill_query_start_loc, prefill_query_start_loc_cpu, device)
         if self.groups_prefill and self.gdn_prefill_backend == "triton":
+            from vllm.utils.torch_utils import async_tensor_h2d  # what vLLM's chunk metadata goes to the GPU with
+
             def to_device(cu):
-                return (to_op_device(cu, device),
+                return (async_tensor_h2d(cu, device=device),
                         *super(ReplayGDNAttentionMetadataBuilder, self)._build_chunk_metadata(None, cu, device))
 
             self._prefill_groups = prefill_groups.plan(prefill_query_start_loc_cpu, prefill_groups.fla_chunk_size(),
@@ -201,13 +203,6 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         re-gathers the state indices; the ring flags are batch-level and stay shared."""
         md = super().update_block_table(metadata, blk_table, slot_mapping)
         return replace(md, **self._prefill_slots(md, md.ring_start_empty))
-
-
-def to_op_device(host: torch.Tensor, device) -> torch.Tensor:
-    """`host` on `device`, copied without waiting where that is a GPU (as vLLM's chunk metadata)."""
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def with_checkpoint_slots(prefill_slots: torch.Tensor, md) -> torch.Tensor:

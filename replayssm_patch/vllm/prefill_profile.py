@@ -8,7 +8,7 @@ gathered and final state, the chunked scan's own) are then memory the engine hol
 accounted; how much: benchmarks/results/gdn_prefill_memory_h100_2026-12-07/. A ring layer
 therefore runs, in its profile forward on CUDA, after vLLM's warmup, the worst step vLLM's
 scheduler may send it (the profile's tokens over as many sequences as `max_num_seqs` allows)
-through the layer's own prefill op, as the layer runs it (per group of sequences where it does:
+through the layer's own prefill op, as the layer runs it (per group of chunks where it does:
 prefill_groups), so that the profile's peak includes it and the KV cache is sized without it.
 """
 
