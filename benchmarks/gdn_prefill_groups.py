@@ -61,7 +61,9 @@ def measure(tokens: int, seqs: int, hk: int, hv: int, d: int) -> dict:
     v = torch.randn(1, tokens, hv, d, generator=gen).to(dev, torch.bfloat16)
     g = (-F.softplus(torch.randn(1, tokens, hv, generator=gen))).to(dev)
     beta = torch.sigmoid(torch.randn(1, tokens, hv, generator=gen)).to(dev)
-    init = (0.1 * torch.randn(seqs, hv, d, d, generator=gen)).to(dev)
+    pool = (0.1 * torch.randn(seqs + 1, hv, d, d, generator=gen)).to(dev)  # the state pool (an input)
+    rows = torch.randperm(seqs + 1, generator=gen)[:seqs].to(dev)
+    has = torch.ones(seqs, dtype=torch.bool, device=dev)
 
     def above(fn):
         torch.cuda.synchronize()
@@ -71,21 +73,26 @@ def measure(tokens: int, seqs: int, hk: int, hv: int, d: int) -> dict:
         torch.cuda.synchronize()
         return result, (torch.cuda.max_memory_allocated() - before) / GIB
 
-    def whole():
-        return op(q=q, k=k, v=v, g=g, beta=beta, initial_state=init.clone(), output_final_state=True,
+    def whole(states):  # as vLLM runs the step: gather every sequence's state, one call, scatter
+        init = states[rows]
+        init[~has, ...] = 0
+        o, f = op(q=q, k=k, v=v, g=g, beta=beta, initial_state=init, output_final_state=True,
                   cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
+        states[rows] = f.to(states.dtype)
+        return o
 
     plan = prefill_groups.plan(cu.cpu(), prefill_groups.fla_chunk_size(), lambda c: (c.to(dev), None, None))
     plan = plan or (prefill_groups.PrefillGroup((0, tokens), (0, seqs), cu),)
 
-    def grouped():  # as a ring layer's prefill op runs it, over the states vLLM gathers
-        return prefill_groups.run(op, plan, q=q, k=k, v=v, g=g, beta=beta, initial_state=init.clone(),
-                                  use_qk_l2norm_in_kernel=False)
+    def grouped(states):  # as a ring layer's prefill op runs it: each group gathers and scatters its states
+        return prefill_groups.run(op, plan, q=q, k=k, v=v, g=g, beta=beta, states=states, state_indices=rows,
+                                  has_initial_state=has, use_qk_l2norm_in_kernel=False)
 
-    whole()  # compile and tune both call shapes first
-    grouped()
-    (o_whole, f_whole), gib_whole = above(whole)
-    (o_groups, f_groups), gib_groups = above(grouped)
+    whole(pool.clone())  # compile and tune both call shapes first
+    grouped(pool.clone())
+    f_whole, f_groups = pool.clone(), pool.clone()  # the pools are inputs, not the step's
+    o_whole, gib_whole = above(lambda: whole(f_whole))
+    o_groups, gib_groups = above(lambda: grouped(f_groups))
     return {"tokens": tokens, "seqs": seqs, "min_len": min(lens), "max_len": max(lens), "groups": len(plan),
             "cut_sequences": sum(grp.seqs[1] - grp.seqs[0] for grp in plan) - seqs,
             "outputs_identical": bool(torch.equal(o_whole, o_groups)),

@@ -84,6 +84,18 @@ def on_device(record):
     return to_device
 
 
+def pool_for(gen, initial: torch.Tensor, spare: int = 7):
+    """A state pool holding `initial`'s rows at random rows among `spare` others (poisoned), the
+    rows' indices, and which rows hold a state (the others start from zeros)."""
+    seqs = initial.shape[0]
+    pool = torch.full((seqs + spare, *initial.shape[1:]), float("nan"), dtype=initial.dtype)
+    rows = torch.randperm(seqs + spare, generator=gen)[:seqs]
+    pool[rows] = initial
+    has = torch.rand(seqs, generator=gen) < 0.7
+    has[0] = False  # the first group's first sequence starts from zeros
+    return pool, rows, has
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_a_grouped_step_matches_one_call_of_the_reference(state_dtype):
     gen = torch.Generator().manual_seed(461 if state_dtype == torch.float32 else 462)
@@ -91,9 +103,14 @@ def test_a_grouped_step_matches_one_call_of_the_reference(state_dtype):
     lens = [300, 1, 5, 130, 64, 65, 17, 250, 3, 90]
     cu = [0, *accumulate(lens)]
     args = step_inputs(gen, cu, state_dtype)
+    pool, rows, has = pool_for(gen, args.pop("initial_state"))
     whole_op = ReferencePrefill()
-    o_ref, f_ref = whole_op(**args | {"initial_state": args["initial_state"].clone()}, output_final_state=True,
+    gathered = pool[rows]  # as vLLM gathers the step's states for one call
+    gathered[~has] = 0
+    o_ref, f_ref = whole_op(**args, initial_state=gathered, output_final_state=True,
                             cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    expected_pool = pool.clone()
+    expected_pool[rows] = f_ref.to(state_dtype)  # and scatters its final states
     record = []
     groups = prefill_groups.plan(torch.tensor(cu, dtype=torch.int32), CHUNK, on_device(record))
     # small bounds for a small step: many groups, cuts in several sequences
@@ -101,21 +118,23 @@ def test_a_grouped_step_matches_one_call_of_the_reference(state_dtype):
                                        max_chunks=3, max_seqs=2)
     assert groups is None and len(groups_small) > len(lens) // 2
     op = ReferencePrefill()
-    state = args["initial_state"].clone()
-    initial_before = state.clone()
-    out, final = prefill_groups.run(op, groups_small, **args | {"initial_state": state})
-    assert final is state  # the final states went over the gathered ones, in their dtype
-    assert final.dtype == state_dtype
+    pool_before = pool.clone()
+    out = prefill_groups.run(op, groups_small, **args, states=pool, state_indices=rows, has_initial_state=has)
     assert len(op.calls) == len(groups_small)
     for call, grp in zip(op.calls, groups_small):  # each group's own metadata reached its call
         assert torch.equal(call["cu_seqlens"], grp.cu_seqlens) and call["chunk_indices"] is grp.chunk_indices
         assert call["q"].shape[1] == grp.tokens[1] - grp.tokens[0]
-    for s in range(len(lens)):  # a sequence's first part starts from the state vLLM gathered
+        assert call["initial_state"].shape[0] <= 2  # the group's states only
+    for s in range(len(lens)):  # a sequence's first part starts from its pool row, or zeros
         call, grp = next((c, grp) for c, grp in zip(op.calls, groups_small) if grp.seqs[0] <= s < grp.seqs[1])
-        assert torch.equal(call["initial_state"][s - grp.seqs[0]], initial_before[s])
+        want = pool_before[rows[s]] if has[s] else torch.zeros_like(pool_before[0])
+        assert torch.equal(call["initial_state"][s - grp.seqs[0]], want)
     tol = dict(atol=2e-2, rtol=2e-2) if state_dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.float(), o_ref.float(), atol=2e-2, rtol=2e-2)  # bf16 outputs
-    torch.testing.assert_close(final.float(), f_ref.to(state_dtype).float(), **tol)
+    torch.testing.assert_close(pool[rows].float(), expected_pool[rows].float(), **tol)
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert pool.dtype == state_dtype and pool[others].isnan().all()  # no other row touched
     assert out.dtype == o_ref.dtype and out.shape == o_ref.shape
 
 
@@ -124,15 +143,12 @@ def test_every_output_token_and_state_row_is_written():
     gen = torch.Generator().manual_seed(463)
     cu = [0, *accumulate([70, 1, 200, 9, 64])]
     args = step_inputs(gen, cu, torch.float32)
-    state = torch.full_like(args["initial_state"], float("nan"))
+    pool, rows, _ = pool_for(gen, torch.full_like(args.pop("initial_state"), float("nan")))
     groups = prefill_groups.plan(torch.tensor(cu), CHUNK, lambda c: (c, None, None), max_chunks=2, max_seqs=2)
-
-    def zero_state_op(**kw):  # a state it never reads: only the writes are under test
-        kw["initial_state"] = torch.zeros_like(kw["initial_state"])
-        return ReferencePrefill()(**kw)
-
-    out, final = prefill_groups.run(zero_state_op, groups, **args | {"initial_state": state})
-    assert not out.float().isnan().any() and not final.isnan().any()
+    no_state = torch.zeros(len(cu) - 1, dtype=torch.bool)  # every sequence starts from zeros
+    out = prefill_groups.run(ReferencePrefill(), groups, **args, states=pool, state_indices=rows,
+                             has_initial_state=no_state)
+    assert not out.float().isnan().any() and not pool[rows].isnan().any()
 
 
 class FakeOp(torch.nn.Module):
@@ -142,32 +158,43 @@ class FakeOp(torch.nn.Module):
 
     def forward(self, **kw):
         self.calls.append(kw)
-        return torch.zeros(1, kw["q"].shape[1], HV, D), torch.ones(kw["initial_state"].shape)
+        n = kw["initial_state"].shape[0]  # final states that tell the calls and their rows apart
+        final = (10 * len(self.calls) + torch.arange(n, dtype=torch.float32)).view(n, 1, 1, 1)
+        return torch.zeros(1, kw["q"].shape[1], HV, D), final.expand(kw["initial_state"].shape).clone()
 
 
 def test_the_layers_op_runs_the_steps_groups_and_vllms_call_otherwise():
     gen = torch.Generator().manual_seed(464)
     cu = [0, 100, 300]
     args = step_inputs(gen, cu, torch.float32)
+    pool, rows, has = pool_for(gen, args["initial_state"])
     split = prefill_groups.split(cu, CHUNK, max_chunks=2)
     groups = tuple(prefill_groups.PrefillGroup((t0, t1), (s0, s1), torch.tensor([0, t1 - t0]))
                    for t0, t1, s0, s1 in split)
-    step = {"groups": groups}
+    step = {"groups": prefill_groups.StepGroups(groups, rows, has)}
     op = FakeOp()
-    wrapped = prefill_groups.GroupedPrefillOp(op, lambda: step["groups"])
-    call = args | dict(output_final_state=True, cu_seqlens=torch.tensor(cu), chunk_indices="whole")
-    wrapped(**call)
+    wrapped = prefill_groups.GroupedPrefillOp(op, lambda: None if step["groups"] is None else (step["groups"], pool))
+    vllm_rows = step["groups"].vllm_rows()  # what vLLM's layer gathers and scatters: the last sequence
+    assert torch.equal(vllm_rows["prefill_state_indices"], rows[-1:])
+    assert torch.equal(vllm_rows["prefill_has_initial_state"], has[-1:])
+    call = args | dict(initial_state=pool[rows[-1:]], output_final_state=True, cu_seqlens=torch.tensor(cu),
+                       chunk_indices="whole")
+    out, last = wrapped(**call)
     assert len(op.calls) == len(groups) and all(c["chunk_indices"] is None for c in op.calls)
-    for no_groups in (None, groups[:-1]):  # none this step; groups of another call (they do not fit)
-        op.calls.clear()
-        step["groups"] = no_groups
-        wrapped(**call)
-        (c,) = op.calls
-        assert c["chunk_indices"] == "whole" and c["initial_state"] is args["initial_state"]
+    assert out.shape[1] == cu[-1] and len({float(x) for x in pool[rows, 0, 0, 0]}) == len(rows)
+    assert torch.equal(last, pool[rows[-1:]])  # vLLM scatters it back where the groups left it
     op.calls.clear()
-    step["groups"] = groups
-    wrapped(**call | {"core_attn_out": torch.empty(1)})  # vLLM's own output buffer: vLLM's call
-    assert len(op.calls) == 1
+    step["groups"] = None  # no groups this step: vLLM's call
+    wrapped(**call)
+    (c,) = op.calls
+    assert c["chunk_indices"] == "whole" and c["initial_state"] is call["initial_state"]
+    # groups of another call, or vLLM's own output buffer: vLLM gathered one row, no call can serve it
+    for other in ({"groups": prefill_groups.StepGroups(groups[:-1], rows, has)},
+                  {"groups": prefill_groups.StepGroups(groups, rows[:1], has[:1])},
+                  {"core_attn_out": torch.empty(1)}):
+        step["groups"] = other.get("groups", prefill_groups.StepGroups(groups, rows, has))
+        with pytest.raises(RuntimeError, match="prefill groups"):
+            wrapped(**call | {k: v for k, v in other.items() if k != "groups"})
 
 
 def test_the_profile_step_runs_its_costliest_group_first():
@@ -221,6 +248,52 @@ def test_the_builder_draws_groups_beside_vllms_chunk_metadata(monkeypatch):
         assert [s.tolist() for s in seen[1:]] == [[0, 4096], [0, 904], [0, 10, 100]]
 
 
+def test_another_cache_groups_metadata_gives_the_groups_its_own_state_rows(monkeypatch):
+    """vLLM's V2 runner builds one GDN cache group's metadata and re-gathers the state indices for
+    the others (update_block_table): the grouped op must gather that group's rows, and vLLM's
+    layer again only the last sequence's."""
+    from dataclasses import dataclass, replace
+
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    from replayssm_patch.vllm.gdn_backend import ReplayGDNAttentionMetadataBuilder
+
+    @dataclass
+    class Metadata:  # the fields these steps read, as vLLM's GDN metadata names them
+        num_prefills: int
+        num_decodes: int
+        non_spec_state_indices_tensor: torch.Tensor
+        has_initial_state: torch.Tensor
+        prefill_state_indices: torch.Tensor
+        prefill_has_initial_state: torch.Tensor
+        ring_start_empty: torch.Tensor
+        ring_prefill_groups: object = None
+        ring_prefill_flush_slots: torch.Tensor | None = None
+        ring_prefill_slots: torch.Tensor | None = None
+
+    def vllm_update(self, m, blk_table, slot_mapping):  # as vLLM's: the other group's indices
+        return replace(m, non_spec_state_indices_tensor=blk_table[:, 0],
+                       prefill_state_indices=blk_table[m.num_decodes:, 0])
+
+    monkeypatch.setattr(GDNAttentionMetadataBuilder, "update_block_table", vllm_update, raising=False)
+    builder = ReplayGDNAttentionMetadataBuilder.__new__(ReplayGDNAttentionMetadataBuilder)
+    groups = (prefill_groups.PrefillGroup((0, 64), (0, 2), None), prefill_groups.PrefillGroup((64, 70), (2, 3), None))
+    first = torch.tensor([7, 3, 9, 4])  # one decode row, then three prefill rows
+    has = torch.tensor([True, False, True, True])
+    step = prefill_groups.StepGroups(groups, first[1:], has[1:])
+    md = Metadata(3, 1, first, has, **step.vllm_rows(), ring_start_empty=torch.zeros(4, dtype=torch.int8),
+                  ring_prefill_groups=step)
+    other = torch.tensor([[11], [12], [13], [14]])
+    md2 = builder.update_block_table(md, other, None)
+    assert torch.equal(md2.ring_prefill_groups.state_indices, torch.tensor([12, 13, 14]))
+    assert torch.equal(md2.ring_prefill_groups.has_initial_state, has[1:])
+    assert md2.ring_prefill_groups.groups is groups
+    assert torch.equal(md2.prefill_state_indices, torch.tensor([14]))
+    assert torch.equal(md2.prefill_has_initial_state, torch.tensor([True]))
+    assert torch.equal(md2.ring_prefill_slots, torch.tensor([12, 13, 14]))
+    assert torch.equal(md.ring_prefill_groups.state_indices, first[1:])  # the first group's kept
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_a_cut_sequence_goes_on_from_the_state_the_op_gave(state_dtype):
     """The next part of a cut sequence starts from its first part's final state as the op returned
@@ -236,12 +309,13 @@ def test_a_cut_sequence_goes_on_from_the_state_the_op_gave(state_dtype):
         return o, f
 
     groups = prefill_groups.plan(torch.tensor(cu), CHUNK, lambda c: (c, None, None), max_chunks=2, max_seqs=8)
-    prefill_groups.run(op, groups, **args | {"initial_state": args["initial_state"].clone()})
+    pool, rows, has = pool_for(gen, args.pop("initial_state"))
+    prefill_groups.run(op, groups, **args, states=pool, state_indices=rows, has_initial_state=has)
     cuts = [i for i in range(len(groups) - 1) if groups[i + 1].seqs[0] == groups[i].seqs[1] - 1]
     assert cuts
     for i in cuts:
         given = inner.calls[i + 1]["initial_state"][0]
         assert given.dtype == torch.float32 and torch.equal(given, finals[i][-1])
-    # a group that goes on with no cut sequence reads the gathered states in the pool's dtype
+    # a group that goes on with no cut sequence gathers its states in the pool's dtype
     assert any(inner.calls[i + 1]["initial_state"].dtype == state_dtype
                for i in range(len(groups) - 1) if i not in cuts)

@@ -77,7 +77,7 @@ class ReplayGDNAttentionMetadata(GDNAttentionMetadata):
     ring_commit_slots: torch.Tensor | None = None  # MTP: non-spec rows' slots, commit first
     ring_commit_accepted: torch.Tensor | None = None  # MTP: their num_accepted_tokens
     ring_decode: bool = True  # this step's plain decode rows go through the ring (else native)
-    ring_prefill_groups: tuple | None = None  # prefill_groups.PrefillGroup per group of the prefill, or None
+    ring_prefill_groups: object | None = None  # prefill_groups.StepGroups of the prefill, or None
 
 
 class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -103,7 +103,10 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                            num_decode_draft_tokens_cpu, fast_build)
         STATE.log_stats_every(STATS_LOG_SECONDS)
         extra = self._ring_fields(common_attn_metadata, md)
-        extra["ring_prefill_groups"] = self._prefill_groups
+        if self._prefill_groups is not None:  # the layers' grouped op gathers and scatters the states
+            step = prefill_groups.StepGroups(self._prefill_groups, md.prefill_state_indices, md.prefill_has_initial_state)
+            extra["ring_prefill_groups"] = step
+            extra.update(step.vllm_rows())
         extra["ring_decode"] = bool(self.num_spec) or md.num_decodes >= self.min_batch
         if md.num_decodes:
             self._count_switch(extra["ring_decode"])
@@ -112,7 +115,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                                            num_decode_draft_tokens_cpu))
         elif md.num_spec_decodes:  # cannot happen: spec rows exist only with a speculative config
             raise RuntimeError("GDN ring builder: speculative rows without a speculative config")
-        return ReplayGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, **extra)
+        return ReplayGDNAttentionMetadata(**({f.name: getattr(md, f.name) for f in fields(md)} | extra))
 
     def _build_chunk_metadata(self, prefill_query_start_loc, prefill_query_start_loc_cpu, device):
         """vLLM's chunk metadata for the step's prefill (vLLM >= 0.33 calls this from build), and,
@@ -200,9 +203,14 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
 
     def update_block_table(self, metadata, blk_table, slot_mapping):
         """Another KV-cache group's metadata from this step's first (vLLM's V2 runner): vLLM
-        re-gathers the state indices; the ring flags are batch-level and stay shared."""
+        re-gathers the state indices (all the prefill's: the grouped op's take them, vLLM's layer
+        again only the last); the ring flags are batch-level and stay shared."""
         md = super().update_block_table(metadata, blk_table, slot_mapping)
-        return replace(md, **self._prefill_slots(md, md.ring_start_empty))
+        extra = self._prefill_slots(md, md.ring_start_empty)
+        if md.ring_prefill_groups is not None:
+            step = replace(md.ring_prefill_groups, state_indices=md.prefill_state_indices)
+            extra.update(ring_prefill_groups=step, **step.vllm_rows())
+        return replace(md, **extra)
 
 
 def with_checkpoint_slots(prefill_slots: torch.Tensor, md) -> torch.Tensor:

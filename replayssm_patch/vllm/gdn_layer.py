@@ -87,9 +87,9 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
                 and caps.gdn_chunk_metadata and getattr(self, "gdn_prefill_backend", None) == "triton")
 
     def _step_prefill_groups(self):
-        """This step's prefill groups from the ring's metadata, or None."""
+        """This step's prefill groups from the ring's metadata with the layer's state pool, or None."""
         md = self.ring_metadata()
-        return None if md is None else md.ring_prefill_groups
+        return None if md is None or md.ring_prefill_groups is None else (md.ring_prefill_groups, self.kv_cache[1])
 
     # -- cache spec and page binding ------------------------------------------------------
     # vLLM binds the layer's cache by assigning `kv_cache` (MambaBase.bind_kv_cache) and

@@ -1,18 +1,20 @@
 """Patch point: a ring layer runs a prefill step's chunked scan per group of chunks.
 
-vLLM calls its FLA prefill op once over all of a step's prefill sequences. The op's temporaries
-grow with the step's 64-token chunks (up to max_num_batched_tokens / 64 plus one a sequence) and
-its final states with the step's sequences (up to max_num_seqs), and a ring engine's memory
-profile holds that worst step back from the KV cache (prefill_profile). Called per group of at
-most GROUP_CHUNKS chunks of at most GROUP_SEQS sequences, the op holds one group's temporaries. A
-sequence longer than a group's room is cut at a chunk boundary; its next part runs in a group of
-its own, from the state the part before ended in as the op returned it (fp32, as one call keeps
-it between chunks; a 16-bit pool's rounding would change the bits). Each group writes its
-outputs into the step's output and its final states over the rows of the initial states vLLM
-gathered for the step, which vLLM then scatters back into the state pool as it would the op's
-final states. Every chunk goes through the same kernels with the same inputs either way;
-whether the results are identical bit for bit and what the groups save:
-benchmarks/gdn_prefill_groups.py and its results in benchmarks/results/.
+vLLM gathers the states of all of a step's prefill sequences (up to max_num_seqs) and calls its
+FLA prefill op once over them; the op's temporaries grow with the step's 64-token chunks (up to
+max_num_batched_tokens / 64 plus one a sequence) and its final states with the step's sequences,
+and a ring engine's memory profile holds that worst step back from the KV cache
+(prefill_profile). A ring layer instead runs the op per group of at most GROUP_CHUNKS chunks of at
+most GROUP_SEQS sequences, and each group gathers its sequences' states from the state pool and
+scatters its final states back as vLLM does for the step (in the pool's dtype, rows without
+a state zeroed), so that a step holds one group's states and temporaries. vLLM's own gather and
+scatter around the op are left one sequence (the step's last: `StepGroups.vllm_rows`), which the
+op gives back as the groups left it. A sequence longer than a group's room is cut at a chunk
+boundary; its next part runs in a group of its own, from the state the part before ended in as the
+op returned it (fp32, as one call keeps it between chunks; a 16-bit pool's rounding would change
+the bits). Every chunk goes through the same kernels with the same inputs either way; whether the
+results are identical bit for bit and what the groups save: benchmarks/gdn_prefill_groups.py and
+its results in benchmarks/results/.
 
 The groups are drawn on the host once per step by the ring's metadata builder, beside vLLM's
 chunk metadata for the same prefill (`_build_chunk_metadata`, vLLM >= 0.33, the Triton (FLA)
@@ -91,16 +93,37 @@ def fla_chunk_size() -> int:
     return FLA_CHUNK_SIZE
 
 
-def run(op, groups: Sequence[PrefillGroup], *, q, k, v, g, beta, initial_state, **kwargs):
-    """`op` (vLLM's chunk_gated_delta_rule interface) per group: the step's outputs, and its
-    final states written over `initial_state` (the states vLLM gathered for the step, in the
-    state pool's dtype, as vLLM converts them before its scatter), which is returned as them. A
-    cut sequence's next part starts from the state its part before ended in, as the op gave it
-    (fp32: one call never rounds it to the pool's dtype between chunks)."""
+@dataclass(frozen=True)
+class StepGroups:
+    """A step's prefill as the ring layers run it: its groups and where its sequences' states are."""
+    groups: tuple[PrefillGroup, ...]
+    state_indices: torch.Tensor  # the state pool's row of each prefill sequence (vLLM's prefill_state_indices)
+    has_initial_state: torch.Tensor  # per prefill sequence: whether its row holds a state (else it starts at 0)
+
+    def vllm_rows(self) -> dict[str, torch.Tensor]:
+        """The prefill rows vLLM's layer gathers before the op and scatters after it: the last
+        sequence's only, which the grouped op gives back as it left it (the groups do the rest)."""
+        return {"prefill_state_indices": self.state_indices[-1:],
+                "prefill_has_initial_state": self.has_initial_state[-1:]}
+
+
+def run(op, groups: Sequence[PrefillGroup], *, q, k, v, g, beta, states: torch.Tensor,
+        state_indices: torch.Tensor, has_initial_state: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`op` (vLLM's chunk_gated_delta_rule interface) per group; returns the step's outputs. Each
+    group starts from its sequences' rows of the pool `states` (`state_indices`; zeros where
+    `has_initial_state` is false, as vLLM gathers them) and writes its final states there in the
+    pool's dtype, as vLLM scatters them. A cut sequence's next part starts from the state its part
+    before ended in, as the op gave it (fp32: one call never rounds it to the pool's dtype between
+    chunks)."""
     out, carry = None, None
     for grp, nxt in zip(groups, [*groups[1:], None]):
         (t0, t1), (s0, s1) = grp.tokens, grp.seqs
-        init = initial_state[s0:s1] if carry is None else carry[None]  # (split: a cut sequence's group is its own)
+        rows = state_indices[s0:s1]
+        if carry is None:
+            init = states[rows]
+            init[~has_initial_state[s0:s1], ...] = 0
+        else:  # (split: a cut sequence's group is its own)
+            init = carry[None]
         o, final = op(q=q[:, t0:t1], k=k[:, t0:t1], v=v[:, t0:t1], g=g[:, t0:t1], beta=beta[:, t0:t1],
                       initial_state=init, output_final_state=True,
                       **(kwargs | {"cu_seqlens": grp.cu_seqlens, "chunk_indices": grp.chunk_indices,
@@ -108,29 +131,34 @@ def run(op, groups: Sequence[PrefillGroup], *, q, k, v, g, beta, initial_state, 
         if out is None:
             out = o.new_empty((o.shape[0], q.shape[1], *o.shape[2:]))
         out[:, t0:t1] = o
-        initial_state[s0:s1] = final
+        states[rows] = final.to(states.dtype)
         carry = final[-1].clone() if nxt is not None and nxt.seqs[0] == s1 - 1 else None
         del o, final, init  # before the next group's temporaries
-    return out, initial_state
-
-
-def fits(groups: Sequence[PrefillGroup], tokens: int, seqs: int) -> bool:
-    """Whether `groups` cover exactly a call of `tokens` tokens over `seqs` sequences."""
-    return groups[-1].tokens[1] == tokens and groups[-1].seqs[1] == seqs
+    return out
 
 
 class GroupedPrefillOp(torch.nn.Module):
     """A ring layer's prefill op: vLLM's, run per group where the step's ring metadata carries
-    groups for this call (`groups_for_step` gives them), as vLLM calls it otherwise."""
+    groups (`step_for_call` gives them with the layer's state pool), as vLLM calls it otherwise."""
 
-    def __init__(self, op: torch.nn.Module, groups_for_step: Callable[[], Sequence[PrefillGroup] | None]):
+    def __init__(self, op: torch.nn.Module,
+                 step_for_call: Callable[[], tuple[StepGroups, torch.Tensor] | None]):
         super().__init__()
         self.op = op
-        self.groups_for_step = groups_for_step
+        self.step_for_call = step_for_call
 
     def forward(self, *, q, k, v, g, beta, initial_state, output_final_state, **kwargs):
-        groups = self.groups_for_step() if output_final_state and kwargs.get("core_attn_out") is None else None
-        if groups and fits(groups, q.shape[1], initial_state.shape[0]):
-            return run(self.op, groups, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, **kwargs)
-        return self.op(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                       output_final_state=output_final_state, **kwargs)
+        step = self.step_for_call()
+        if step is None:
+            return self.op(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                           output_final_state=output_final_state, **kwargs)
+        groups, states = step
+        # vLLM gathered only vllm_rows() for this call: no other call of the op can serve it
+        if not output_final_state or kwargs.get("core_attn_out") is not None or \
+                groups.groups[-1].tokens[1] != q.shape[1] or groups.groups[-1].seqs[1] != groups.state_indices.shape[0]:
+            raise RuntimeError("replayssm_patch: the GDN prefill groups of this step do not match vLLM's "
+                               f"call of its prefill op ({q.shape[1]} tokens, {groups.state_indices.shape[0]} "
+                               f"sequences, output_final_state={output_final_state})")
+        out = run(self.op, groups.groups, q=q, k=k, v=v, g=g, beta=beta, states=states,
+                  state_indices=groups.state_indices, has_initial_state=groups.has_initial_state, **kwargs)
+        return out, states[groups.state_indices[-1:]]

@@ -61,16 +61,19 @@ def prefill_step(chunk, qkv: torch.Tensor, heads: tuple[int, int], state_shape: 
     v = v.contiguous().view(1, tokens, hv, dv)
     g = torch.zeros(1, tokens, hv, device=dev, dtype=torch.float32)  # log decay and beta, fp32
     beta = torch.full((1, tokens, hv), 0.5, device=dev, dtype=torch.float32)
-    initial = torch.zeros(seqs, *state_shape, device=dev, dtype=state_dtype)  # the states gathered
     lens = seq_lens(tokens, seqs) if chunk_size is None else group_filling_lens(tokens, seqs, chunk_size)
     cu_host = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
-    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial, use_qk_l2norm_in_kernel=False)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=False)
     groups = None if chunk_size is None else prefill_groups.plan(cu_host, chunk_size, lambda cu: (cu.to(dev), None, None))
-    if groups is not None:
-        out, _ = prefill_groups.run(chunk, groups, **args)  # the final states go over `initial`
+    if groups is not None:  # each group gathers its sequences' states from the pool (the KV cache's: one row here)
+        pool = torch.zeros(1, *state_shape, device=dev, dtype=state_dtype)
+        rows = torch.zeros(seqs, device=dev, dtype=torch.int64)
+        out = prefill_groups.run(chunk, groups, **args, states=pool, state_indices=rows,
+                                 has_initial_state=torch.ones(seqs, device=dev, dtype=torch.bool))
         del out
         return
-    out, final = chunk(**args, output_final_state=True, cu_seqlens=cu_host.to(dev))
+    initial = torch.zeros(seqs, *state_shape, device=dev, dtype=state_dtype)  # the states vLLM gathers
+    out, final = chunk(**args, initial_state=initial, output_final_state=True, cu_seqlens=cu_host.to(dev))
     scattered = final.to(state_dtype)  # the scatter back into the pool converts first
     del out, scattered
 

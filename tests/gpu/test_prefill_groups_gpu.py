@@ -3,9 +3,10 @@
 
 Fresh random steps (uneven lengths, single-token sequences, sequences many chunks long), grouped
 with the package's default bounds and with small ones that cut most sequences; the groups get
-their chunk metadata from vLLM's own host functions, as the ring's builder gives it them. The
-outputs and final states must be the same bits as one call's, fp32 and bf16 states (a cut
-sequence's state passes between its parts in fp32). The memory saved:
+their chunk metadata from vLLM's own host functions, as the ring's builder gives it them. Each
+group gathers its states from a pool and scatters its final states back; the outputs and the
+pool must be the same bits as vLLM's gather, one call and scatter give, fp32 and bf16 states (a
+cut sequence's state passes between its parts in fp32). The memory saved:
 benchmarks/gdn_prefill_groups.py.
 
 vLLM >= 0.33 on CUDA (`bash benchmarks/gpu_run.sh ktest` with KTESTS naming this file); skipped
@@ -55,12 +56,19 @@ def test_groups_give_the_bits_of_one_call(seed, bounds, state_dtype):
     v = torch.randn(1, tokens, HV, D, generator=gen).to(dev, torch.bfloat16)
     g = (-F.softplus(torch.randn(1, tokens, HV, generator=gen))).to(dev)
     beta = torch.sigmoid(torch.randn(1, tokens, HV, generator=gen)).to(dev)
-    initial = (0.1 * torch.randn(seqs, HV, D, D, generator=gen)).to(dev, state_dtype)
+    # the state pool: the step's rows among others, some sequences without a state yet
+    pool = (0.1 * torch.randn(seqs + 9, HV, D, D, generator=gen)).to(dev, state_dtype)
+    rows = torch.randperm(seqs + 9, generator=gen)[:seqs].to(dev)
+    has = (torch.rand(seqs, generator=gen) < 0.7).to(dev)
     args = dict(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=False)
 
-    o_whole, f_whole = op(**args, initial_state=initial.clone(), output_final_state=True,
+    pool_whole = pool.clone()  # as vLLM runs the step: gather, one call, scatter
+    initial = pool_whole[rows]
+    initial[~has, ...] = 0
+    o_whole, f_whole = op(**args, initial_state=initial, output_final_state=True,
                           cu_seqlens=cu_host.to(dev), chunk_indices=chunk_indices(cu_host, chunk).to(dev),
                           chunk_offsets=chunk_offsets(cu_host, chunk).to(dev))
+    pool_whole[rows] = f_whole.to(state_dtype)
 
     def to_device(cu):  # as the ring's builder: vLLM's host functions per group
         return cu.to(dev), chunk_indices(cu, chunk).to(dev), chunk_offsets(cu, chunk).to(dev)
@@ -68,8 +76,7 @@ def test_groups_give_the_bits_of_one_call(seed, bounds, state_dtype):
     groups = prefill_groups.plan(cu_host, chunk, to_device, *bounds)
     assert groups is not None and len(groups) > 1
     assert sum(grp.seqs[1] - grp.seqs[0] for grp in groups) > seqs  # some sequence was cut
-    state = initial.clone()
-    o_groups, f_groups = prefill_groups.run(op, groups, **args, initial_state=state)
-    assert f_groups is state
+    pool_groups = pool.clone()
+    o_groups = prefill_groups.run(op, groups, **args, states=pool_groups, state_indices=rows, has_initial_state=has)
     assert torch.equal(o_groups, o_whole)
-    assert torch.equal(f_groups, f_whole.to(state_dtype))  # vLLM converts before its scatter
+    assert torch.equal(pool_groups, pool_whole)  # every row: the step's as vLLM scatters them, the others kept
