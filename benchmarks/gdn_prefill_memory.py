@@ -12,7 +12,7 @@ then, measured, the causal conv's output, q/k/v/g/beta split from it, the N stat
 be scattered back. Sequence lengths are even (`--tokens` // N); many short sequences are the worst
 case (each costs at least one chunk of the scan's per-chunk states, and one gathered and one final
 state). `--grouped`: the step as a ring layer runs it on vLLM >= 0.33 (replayssm_patch.vllm.
-prefill_groups: the op per group of chunks, final states over the gathered ones), with the lengths
+prefill_groups: the op per group of chunks, each group gathering and scattering its own states), with the lengths
 that make its first group the costliest a group may be.
 
     python benchmarks/gdn_prefill_memory.py [--tokens 16384] [--seqs 1,32,128,256,512]

@@ -241,8 +241,9 @@ POINTS = (
         why="one call over a whole step holds temporaries for all its tokens and final states for all its "
             "sequences; the ring engine's memory profile holds that step back from the KV cache",
         how="the layer's op wrapped: groups drawn by the ring's builder beside vLLM's chunk metadata "
-            "(_build_chunk_metadata, with its chunk metadata per group), each group's final states written "
-            "over the initial states vLLM gathered, which vLLM then scatters; with the Triton prefill op only",
+            "(_build_chunk_metadata, with its chunk metadata per group), each group gathering its "
+            "sequences' states from the pool and scattering its final states back as vLLM does, vLLM's own gather "
+            "and scatter around the op left one sequence (the builder's prefill_state_indices); Triton prefill op only",
         upstream="vllm-project/vllm#54775 (the GDN prefill's workspace in the memory profile)",
         remove_when="vLLM bounds its GDN prefill's memory per step", applies="ring layer",
         probes=(Probe("builder chunk metadata", GDN_BUILDER, has_method(
