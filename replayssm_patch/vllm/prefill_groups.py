@@ -120,8 +120,8 @@ def run(op, groups: Sequence[PrefillGroup], *, q, k, v, g, beta, states: torch.T
         (t0, t1), (s0, s1) = grp.tokens, grp.seqs
         rows = state_indices[s0:s1]
         if carry is None:
-            init = states[rows]
-            init[~has_initial_state[s0:s1], ...] = 0
+            init = states[rows]  # (masked_fill_: zeros without the host sync of vLLM's boolean-mask assignment)
+            init.masked_fill_(~has_initial_state[s0:s1].view(-1, *(1,) * (init.dim() - 1)), 0)
         else:  # (split: a cut sequence's group is its own)
             init = carry[None]
         o, final = op(q=q[:, t0:t1], k=k[:, t0:t1], v=v[:, t0:t1], g=g[:, t0:t1], beta=beta[:, t0:t1],
