@@ -14,7 +14,8 @@ and goes on from its state in the next group.
 
 Sequence lengths are random (seeded), so that sub-chunk, multi-chunk and cut sequences mix. Inputs as
 vLLM's prefill gives them to the op: q and k unit vectors per head (bf16), v bf16, g (log decay)
-and beta fp32, initial states fp32. Needs vLLM's FLA op (vLLM >= 0.33), this package and a CUDA
+and beta fp32, fp32 states in a pool that vLLM's way gathers and scatters for the whole step and
+the groups for their own sequences. Needs vLLM's FLA op (vLLM >= 0.33), this package and a CUDA
 GPU (`bash benchmarks/gpu_run.sh prefillgroups` after `install`). The op lookup and the argument
 checks are gdn_prefill_memory.py's, beside it.
 """
