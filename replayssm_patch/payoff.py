@@ -162,16 +162,18 @@ def plain_decode_min_batch(facts: ModelFacts, state_dtype: str, ring_dtype: str)
     return start, best[0], best[1]
 
 
-def prefill_step_bytes(facts: ModelFacts, state_dtype: str, seqs: int) -> float:
+def prefill_step_bytes(facts: ModelFacts, state_dtype: str, seqs: int, spec_decode: bool = False) -> float:
     """What one GDN prefill step of max_num_batched_tokens tokens over `seqs` sequences holds above
     its input (the step a ring engine's memory profile adds: vllm/prefill_profile.py), from the
-    table's line through the measured steps (fp16 states read bf16's). The line is the step in one
-    call; where ring layers run it per group (vllm/prefill_groups.py) it is smaller, so there the
-    estimate errs toward fewer requests."""
+    table's line through the measured steps (fp16 states read bf16's), plus, where the engine
+    speculates (`spec_decode`), the copy of the step's q/k/v that vLLM keeps beside verify rows. The
+    line is the step in one call; where ring layers run it per group (vllm/prefill_groups.py) it
+    is smaller, so there the estimate errs toward fewer requests."""
     lines = tables()["prefill_step"]
     line = lines.get(state_dtype, lines["bf16"])
+    copy = facts.max_num_batched_tokens * facts.qkv_bytes_per_token if spec_decode else 0
     return (facts.max_num_batched_tokens * line["per_token"] * facts.qkv_bytes_per_token
-            + (seqs - 1) * line["per_sequence"] * facts.state_bytes_per_slot)
+            + (seqs - 1) * line["per_sequence"] * facts.state_bytes_per_slot + copy)
 
 
 def requests_that_fit(facts: ModelFacts, page_bytes: int, reserved_bytes: float = 0.0) -> float:

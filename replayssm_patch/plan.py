@@ -346,14 +346,15 @@ def _plain_decision(vllm_config, config: ReplayConfig, geometry: RingGeometry, p
     return start, [], f"predicted gain {best:.1%} at batch {at}, room for max_num_seqs with its pages (payoff)"
 
 
-def _ring_requests_that_fit(facts: payoff.ModelFacts, geometry: RingGeometry, platform: str) -> float:
+def _ring_requests_that_fit(facts: payoff.ModelFacts, geometry: RingGeometry, platform: str,
+                            spec_decode: bool = False) -> float:
     """payoff.requests_that_fit with the ring's pages (one state slot, its convolution state and its
     ring), less the GDN prefill step that the ring engine's memory profile holds back on CUDA
-    (vllm/prefill_profile.py)."""
+    (vllm/prefill_profile.py; a speculating engine's, `spec_decode`, holds a copy of its q/k/v)."""
     reserved = 0.0
     if platform == "cuda":
         seqs = prefill_profile.profile_seqs(facts.max_num_batched_tokens, facts.max_num_seqs)
-        reserved = payoff.prefill_step_bytes(facts, _DTYPE_NAMES[geometry.state_dtype], seqs)
+        reserved = payoff.prefill_step_bytes(facts, _DTYPE_NAMES[geometry.state_dtype], seqs, spec_decode)
     return payoff.requests_that_fit(facts, geometry.state_bytes_per_slot + facts.conv_bytes_per_slot
                                     + geometry.bytes_per_slot, reserved)
 
@@ -363,7 +364,8 @@ def ring_requests_that_fit(vllm_config, plan: Plan, memory_bytes: int | None) ->
     holds (payoff's estimate; None without the GPU's memory or without the ring)."""
     if memory_bytes is None or plan.geometry is None:
         return None
-    return _ring_requests_that_fit(model_facts(vllm_config, plan.geometry, memory_bytes), plan.geometry, plan.platform)
+    return _ring_requests_that_fit(model_facts(vllm_config, plan.geometry, memory_bytes), plan.geometry, plan.platform,
+                                   bool(plan.spec_tokens))
 
 
 def make_plan(vllm_config, config: ReplayConfig, memory_bytes: int | None = None) -> Plan:

@@ -333,6 +333,7 @@ CAPACITY_RUNS = ("capacity_9b_h100_2026-12-06/capacity_t3.json", "capacity_9b_h1
                  "capacity_9b_profile_h100_2026-12-07/capacity_t3.json",
                  "capacity_9b_profile_h100_2026-12-07/capacity_t7.json",
                  "capacity_9b_grouped_h100_2026-12-07/capacity_t3.json",
+                 "prefill_group_states_h100_2026-12-07/capacity_t3.json",
                  "capacity_moe_h100_2026-12-06/capacity_t3.json", "capacity_moe_h100_2026-12-06/capacity_t7.json")
 
 
@@ -359,7 +360,7 @@ def test_ring_verify_graphs_cover_the_requests_measured_engines_held(run, on_cud
     fit = plan.ring_requests_that_fit(cfg, p, memory)
     assert graphed_requests(seqs, fit) >= min(seqs, ring["max_concurrency"]), (fit, ring["max_concurrency"])
     assert fit < 3 * ring["max_concurrency"]  # an estimate, not a bound that never binds
-    if "profile" in run or "grouped" in run:  # engines whose profile held the GDN prefill step back, as the estimate does
+    if "profile" in run or "group" in run:  # engines whose profile held the GDN prefill step back, as the estimate does
         assert ring["max_concurrency"] / FIT_MARGIN <= fit <= ring["max_concurrency"] * FIT_MARGIN, (
             fit, ring["max_concurrency"])
 
@@ -397,3 +398,8 @@ def test_ring_fit_holds_the_prefill_step_back_on_cuda_only(on_cuda):
         payoff.requests_that_fit(facts, page, step))
     assert plan._ring_requests_that_fit(facts, geometry, "cpu") == pytest.approx(payoff.requests_that_fit(facts, page))
     assert payoff.requests_that_fit(facts, page, step) < payoff.requests_that_fit(facts, page)
+    # a speculating engine's step also holds vLLM's copy of the step's q/k/v
+    copy = facts.max_num_batched_tokens * facts.qkv_bytes_per_token
+    assert payoff.prefill_step_bytes(facts, "fp32", 512, spec_decode=True) == pytest.approx(step + copy)
+    assert plan._ring_requests_that_fit(facts, geometry, "cuda", spec_decode=True) == pytest.approx(
+        payoff.requests_that_fit(facts, page, step + copy))

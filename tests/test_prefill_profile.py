@@ -157,6 +157,43 @@ def test_a_layer_that_groups_its_prefill_profiles_the_grouped_step(vllm_warmup, 
                for m in clean_patch_state.logged)
 
 
+def live_tensors_shaped_as(t: torch.Tensor) -> int:
+    """How many distinct tensors of `t`'s shape and dtype are alive now."""
+    import gc
+
+    return len({o.data_ptr() for o in gc.get_objects()
+                if type(o) is torch.Tensor and o.shape == t.shape and o.dtype == t.dtype})
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_speculating_engines_step_keeps_its_copy_of_the_prefill_tokens(grouped):
+    """Beside verify rows, vLLM's core first copies the prefill tokens' q/k/v out of the step's
+    (index_select) and keeps the copy to the end: the step of a speculating engine holds one more
+    tensor of the input's size while the op runs."""
+    qkv = torch.randn(300, (2 * HK + HV) * D).to(torch.bfloat16)
+    seen = {}
+    for spec in (False, True):
+        op = ReferencePrefill()
+
+        def counting(**kw):
+            seen.setdefault(spec, live_tensors_shaped_as(qkv))
+            return op(**kw)
+
+        prefill_profile.prefill_step(counting, qkv, (HK, HV), (HV, D, D), torch.float32, 70,
+                                     64 if grouped else None, spec_decode=spec)
+    assert seen[True] == seen[False] + 1
+
+
+def test_a_speculating_ring_layer_profiles_the_speculating_step(vllm_warmup, clean_patch_state, monkeypatch):
+    seen = []
+    monkeypatch.setattr(prefill_profile, "prefill_step", lambda *a, **kw: seen.append(kw["spec_decode"]))
+    for spec_tokens in (0, 3):
+        layer = profile_layer("cuda")
+        layer.ring_plan = Plan("cuda", GEOMETRY, min_batch=1, spec_tokens=spec_tokens)
+        layer._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D).to(torch.bfloat16), 0)
+    assert seen == [False, True]
+
+
 @pytest.mark.parametrize("platform,backend,chunk_metadata,grouped", [
     ("cuda", "triton", True, True), ("cuda", "flashinfer", True, False), ("cuda", "triton", False, False),
     ("cpu", "triton", True, False)])

@@ -194,7 +194,8 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
             prefill_profile.prefill_step(self.chunk_gated_delta_rule.op if grouped else self.chunk_gated_delta_rule,
                                          qkv, (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
                                          tuple(self.get_state_shape()[1]), self.get_state_dtype()[1], seqs,
-                                         prefill_groups.fla_chunk_size() if grouped else None)
+                                         prefill_groups.fla_chunk_size() if grouped else None,
+                                         spec_decode=bool(self.ring_plan.spec_tokens))
         except torch.OutOfMemoryError:
             raise  # the budget cannot hold such a step: serving it would fail the same way
         except Exception as e:  # the op refused the step's shapes: the engine starts as vLLM would

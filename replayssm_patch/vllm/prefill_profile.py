@@ -43,18 +43,22 @@ def group_filling_lens(tokens: int, seqs: int, chunk_size: int) -> list[int]:
 
 
 def prefill_step(chunk, qkv: torch.Tensor, heads: tuple[int, int], state_shape: tuple[int, ...],
-                 state_dtype: torch.dtype, seqs: int, chunk_size: int | None = None) -> None:
+                 state_dtype: torch.dtype, seqs: int, chunk_size: int | None = None,
+                 spec_decode: bool = False) -> None:
     """The allocations of one prefill step of vLLM's GDN core over `qkv`'s tokens (the in-projection's
     q/k/v part, [tokens, (2 * key_heads + value_heads) * head_dim]) spread over `seqs` sequences,
     with the scan run through `chunk` (vLLM's `chunk_gated_delta_rule` interface): in one call, as
     vLLM makes it, or, given the op's `chunk_size`, per group as a ring layer's prefill op makes it
-    (prefill_groups).
+    (prefill_groups). `spec_decode`: the engine speculates, so a prefill step beside verify rows
+    first copies its prefill tokens out of the step's (vLLM's `index_select` of the non-spec
+    tokens, kept to the end of the core as the conv's input).
     What is computed does not matter here, only what is held while it runs; `heads` = (key heads,
     value heads) of this rank, `state_shape` = one sequence's SSM state [value heads, V, K]."""
     hk, hv = heads
     tokens, dev = qkv.shape[0], qkv.device
     dv, dk = state_shape[1], state_shape[2]
-    conv = torch.empty_like(qkv).copy_(qkv)  # the causal conv writes a new tensor of this size
+    conv_input = qkv.index_select(0, torch.arange(tokens, device=dev)) if spec_decode else qkv
+    conv = torch.empty_like(conv_input).copy_(conv_input)  # the causal conv writes a new tensor of this size
     q, k, v = conv.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q = F.normalize(q.reshape(1, tokens, hk, dk), dim=-1)  # the post-conv prep's outputs
     k = F.normalize(k.reshape(1, tokens, hk, dk), dim=-1)
