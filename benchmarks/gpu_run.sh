@@ -58,11 +58,12 @@
 #   bash benchmarks/gpu_run.sh capacity [ARGS] # issue #46 (needs install): benchmarks/capacity.py, capacity and
 #     throughput under memory pressure, native vs ring engine in one process at --gpu-util 0.45 each, 9B shape,
 #     fp32 SSM state, MTP T=3 then T=7 (prefix caching off, echo weights: drafts agree at 0.8 per position at
-#     T=3, max_num_seqs 512; 0.85 at T=7),
+#     T=3, max_num_seqs 512; 0.85 at T=7, then allocator_guard.py's guards on the ring engine: --allocator-guards),
 #     offered loads 1x and 2x the native engine's maximum concurrency, 3 pairs (AB, BA, AB) per load, then
 #     --merge + --plot; ARGS go to both runs. To $OUT/capacity_t{3,7}.json (or their .partial where a run was
 #     cut off), capacity.json + capacity.png (merged) and the engines' logs (gzipped). About 18-20 minutes on
-#     an H100: 4 engine starts of 3-4 min (compile + CUDA graphs) and ~1-2 min of measurement per T; longer
+#     an H100: 4 engine starts of 3-4 min (compile + CUDA graphs) and ~1-2 min of measurement per T (T=7: ~1 min
+#     more for the guards); longer
 #     than one 10-minute command, so start it with `bg` and collect it with `jobs`:
 #       bash benchmarks/gpu_run.sh bg cap 0 capacity; bash benchmarks/gpu_run.sh jobs 580   # (jobs again until done)
 #
@@ -300,7 +301,7 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       # back mid-run still returns it), its end on the terminal
       # T=7: drafts right at 0.85 per position, so the mean over the 7 positions is >= 0.5 (0.8 gives
       # 0.45); T=3: room for twice native's capacity on an H200 (above vLLM's 256)
-      case $T in 7) per_t=(--echo-acceptance 0.85) ;; 3) per_t=(--max-num-seqs 512) ;; *) per_t=() ;; esac
+      case $T in 7) per_t=(--echo-acceptance 0.85 --allocator-guards) ;; 3) per_t=(--max-num-seqs 512) ;; *) per_t=() ;; esac
       python3 benchmarks/capacity.py --shape 9b --state-dtype float32 --mtp "$T" --offered 1,2 --pairs 3 --in-len 512 \
         "${per_t[@]}" --out "$f" --workdir /tmp/capacity "$@" 2>&1 | tee "$OUT/capacity_t$T.log" | tail -40 || rc=1
       gzip -c /tmp/capacity/engines.log > "$OUT/capacity_engines_t$T.log.gz" 2>/dev/null || true

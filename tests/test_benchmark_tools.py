@@ -642,6 +642,107 @@ def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+class _FakeAllocator:
+    """torch.cuda's allocator as the guards see it (GiB as bytes / GIB): each step takes `live_peak`
+    of live tensors for a moment and leaves `grow` more blocks cached than the step before; a
+    memory fraction makes it free its cache at that limit, and fail where the live peak passes it."""
+
+    def __init__(self, torch, monkeypatch, live=20.0, live_peak=22.0, grow=0.5, total=80.0):
+        self.live, self.live_peak, self.grow, self.total = live, live_peak, grow, total
+        self.reserved = self.peak = live
+        self.cap = None
+        self.torch = torch
+        gib = 1 << 30
+        for name, fn in {"memory_reserved": lambda: int(self.reserved * gib),
+                         "max_memory_reserved": lambda: int(self.peak * gib),
+                         "max_memory_allocated": lambda: int(self.live_peak * gib),
+                         "empty_cache": self.empty_cache, "reset_peak_memory_stats": self.reset,
+                         "set_per_process_memory_fraction": self.set_fraction, "current_device": lambda: 0,
+                         "get_device_properties": lambda d: type("P", (), {"total_memory": int(total * gib)})}.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def empty_cache(self):
+        self.reserved = self.live
+
+    def reset(self):
+        self.peak = self.reserved
+
+    def set_fraction(self, f):
+        self.cap = None if f == 1.0 else f * self.total
+
+    def step(self):
+        if self.cap is not None and self.live_peak > self.cap:
+            raise self.torch.OutOfMemoryError("fake: over the fraction")
+        want = max(self.reserved + self.grow, self.live_peak)
+        self.reserved = min(want, self.cap) if self.cap is not None else want
+        self.peak = max(self.peak, self.reserved)
+
+
+class _FakeWorker:
+    def __init__(self, alloc):
+        self.alloc = alloc
+
+    def execute_model(self, so):
+        self.alloc.step()
+        return so
+
+    def sample_tokens(self, grammar):
+        return grammar
+
+
+def test_allocator_guards_alternate_with_the_engine_unguarded_and_report_its_peaks(monkeypatch):
+    """allocator_guard.measure on a fake allocator: the limit is the budget less what the engine
+    holds outside the allocator; pairs alternate unguarded / guarded runs, each from an emptied
+    cache; "trim" empties the cache after a step call that left it over the limit, "cap" sets the
+    fraction; the summary's peaks, within_budget, trims and tokens/s ratios come from the runs;
+    a step failing under the cap ends the measurement, recorded, and that guard is not within budget."""
+    torch = pytest.importorskip("torch")
+    guard = _load("allocator_guard")
+    alloc = _FakeAllocator(torch, monkeypatch)
+    worker = _FakeWorker(alloc)
+    wrapper = type("Wrapper", (), {"worker": worker})()
+    llm = type("LLM", (), {"collective_rpc": lambda self, fn, args=(): [fn(wrapper, *args)]})()
+    order = []
+
+    def run_load(rid):
+        order.append(rid)
+        for _ in range(4):
+            worker.execute_model(None)
+            worker.sample_tokens(None)
+        g = worker.__dict__["_allocator_guard"]["guard"]
+        return {"tok_s": 90.0 if g == "trim" else 100.0, "steps": 4, "wall_s": 1.0}
+
+    outside = 1.5
+    m = guard.measure(llm, run_load, lambda: alloc.reserved + outside, budget_gib=24.0, pairs=3)
+    assert m["limit_gib"] == pytest.approx(22.5) and "error" not in m
+    assert order[:6] == ["guard-trim0-off", "guard-trim0-trim", "guard-trim1-trim", "guard-trim1-off",
+                         "guard-trim2-off", "guard-trim2-trim"]
+    assert worker.__dict__.get("execute_model") is None and alloc.cap is None  # left unguarded
+    s = guard.summarize(m, tolerance_gib=0.25)
+    # unguarded: 4 steps of +0.5 from the live peak: 23.5 held, 25.0 with what lies outside
+    assert s["off"]["peak_gib"] == pytest.approx(25.0) and s["off"]["within_budget"] is False
+    assert s["off"]["over_budget_gib"] == pytest.approx(1.0) and s["off"]["runs"] == 6
+    # each run's third step leaves 23.0 (over 22.5) and is trimmed after it: that peak stays, over budget
+    assert s["trim"]["trims"] == 3 and s["trim"]["step_calls"] == 8 * 3
+    assert s["trim"]["peak_gib"] == pytest.approx(24.5) and s["trim"]["within_budget"] is False
+    assert s["trim"]["tok_s_ratio"] == pytest.approx(0.9) and s["trim"]["pairs"] == 3
+    assert s["cap"]["peak_gib"] == pytest.approx(24.0) and s["cap"]["within_budget"] is True
+    assert s["cap"]["tok_s_ratio"] == pytest.approx(1.0)
+    # live tensors past the limit: the cap's first run fails, and it ends the measurement
+    alloc.live_peak = 23.0
+    order.clear()
+    m = guard.measure(llm, run_load, lambda: alloc.reserved + outside, budget_gib=24.0, pairs=3)
+    assert m["error"]["guard"] == m["error"]["run"] == "cap" and "OutOfMemoryError" in m["error"]["what"]
+    assert order[-1] == "guard-cap0-cap" and len(m["guards"]["cap"]) == 1
+    s = guard.summarize(m, tolerance_gib=0.25)
+    assert s["cap"] == {"runs": 0, "within_budget": False} and s["trim"]["runs"] == 3
+    with pytest.raises(ValueError, match="guard must be"):
+        guard.set_guard(wrapper, "halve", 1)
+    cap = _load("capacity")  # the capacity run's summary carries the guards' beside its own budget keys
+    res = dict(_cap_result(), allocator_guards=m)
+    assert cap.finish(res["config"], res)["summary"]["allocator_guards_ring"] == guard.summarize(m, cap.BUDGET_TOLERANCE_GIB)
+
+
 def test_capacity_moe_shape_and_options():
     """The MoE shape (Qwen3.5-35B-A3B-like, scaled down by --moe-layers / --moe-experts); prefix
     caching off with MTP unless asked for, on for plain decode unless turned off; echo weights only
