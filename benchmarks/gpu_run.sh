@@ -166,6 +166,11 @@ FI_PATH=$FI:$FI/nvidia_cutlass_dsl/dsl_packages  # cutlass's dir: its wheel adds
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 [ -d $FI ] && export PYTHONPATH=$PYTHONPATH:$FI_PATH
 export NCCL_NVLS_ENABLE=0 VLLM_CACHE_ROOT=/tmp/vllm-cache
+# Triton keeps its autotuning timings on disk (beside its compiled kernels, keyed by kernel, configs and
+# GPU target): an engine started after another of the same model reuses them instead of benchmarking
+# every config again, which took most of each engine's first profiling forward; the arms then run the
+# same configs. Start time only: the kernels are the same either way.
+export TRITON_CACHE_AUTOTUNING=1
 copy_test_logs() {  # the arms' logs of pytest's tests under basetemp $1 (any depth), to $OUT named by their folder
   find "$1" -name '*.log' -type f 2>/dev/null | while read -r f; do
     cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
