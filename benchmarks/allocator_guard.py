@@ -14,6 +14,10 @@ guards are measured):
   allocator holds more than the limit, `torch.cuda.empty_cache()`. Only cached blocks go, so it
   cannot fail a step; it costs a device sync each time it fires, and a step can still pass the
   limit between two checks;
+* "expandable": the allocator's expandable segments (`expandable_segments:True`, switched on
+  while it serves: segments it maps from then on grow in place instead of new blocks being
+  allocated beside them). No limit: whether the cache's growth is fragmentation, and how much
+  of it this leaves;
 * "cap": `torch.cuda.set_per_process_memory_fraction` at the limit. The allocator then frees
   cached blocks itself when an allocation would pass the limit, inside a step too, at no cost
   below it; but a step whose live tensors (with the blocks they split) pass it fails with an
@@ -23,8 +27,9 @@ Per guard, `pairs` pairs of the same load, the engine without a guard ("off") an
 alternating (off/guard, guard/off, ...); before each run the allocator's cache is emptied and its
 peaks restarted, so that each run's peak is its own. Per run: tokens/s, the peak the allocator
 held (`max_reserved_gib`) and, with what lies outside it, the engine's peak against its budget;
-the guard's counters. A run that fails (the cap's out-of-memory error) ends the measurement,
-recorded as `error`. This module holds the guards and their measurement; which one the package
+the guard's counters. A run that fails is recorded (`errors`) and ends its guard's pairs; the
+next guard is measured if the engine still answers (the cap's out-of-memory error ends it, so the
+cap comes last). This module holds the guards and their measurement; which one the package
 should install is the measurement's question, not settled here.
 """
 
@@ -34,7 +39,7 @@ import statistics
 from typing import Callable
 
 GIB = 1 << 30
-GUARDS = ("trim", "cap")
+GUARDS = ("trim", "expandable", "cap")  # the cap last: it can end the engine
 _STEP_CALLS = ("execute_model", "sample_tokens")
 
 
@@ -43,21 +48,25 @@ def set_guard(worker, guard: str, limit_bytes: int | None) -> None:
     ("off", "trim" or "cap") at `limit_bytes`, restart the allocator's peaks and the counters."""
     import torch
 
+    if guard not in ("off", *GUARDS):
+        raise ValueError(f"guard must be 'off' or one of {GUARDS}, got {guard!r}")
     inner = getattr(worker, "worker", worker)  # vLLM's worker behind its wrapper, whose step calls it
     for name in _STEP_CALLS:
         inner.__dict__.pop(name, None)  # back to the class's method
     torch.cuda.set_per_process_memory_fraction(1.0)
+    if inner.__dict__.get("_allocator_guard", {}).get("guard") == "expandable":
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     torch.cuda.empty_cache()
     counters = {"guard": guard, "step_calls": 0, "trims": 0, "trimmed_bytes": 0}
     inner.__dict__["_allocator_guard"] = counters
     if guard == "trim":
         for name in _STEP_CALLS:
             inner.__dict__[name] = _trimming(getattr(inner, name), limit_bytes, counters)
+    elif guard == "expandable":
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     elif guard == "cap":
         torch.cuda.set_per_process_memory_fraction(limit_bytes / torch.cuda.get_device_properties(
             torch.cuda.current_device()).total_memory)
-    elif guard != "off":
-        raise ValueError(f"guard must be 'off' or one of {GUARDS}, got {guard!r}")
     torch.cuda.reset_peak_memory_stats()
 
 
@@ -100,11 +109,12 @@ def measure(llm, run_load: Callable[[str], dict], engine_gib: Callable[[], float
         return {"skipped": "NVML does not report the engine's processes"}
     outside = held - llm.collective_rpc(guard_report)[0]["reserved_gib"]
     limit_gib = budget_gib - outside
-    out = {"budget_gib": budget_gib, "outside_allocator_gib": outside, "limit_gib": limit_gib, "guards": {}}
-    guard = g = "off"
-    try:
-        for guard in GUARDS:
-            out["guards"][guard] = runs = []
+    out = {"budget_gib": budget_gib, "outside_allocator_gib": outside, "limit_gib": limit_gib, "guards": {},
+           "errors": []}
+    for guard in GUARDS:
+        out["guards"][guard] = runs = []
+        g = "off"
+        try:
             for p in range(pairs):
                 pair = {}
                 runs.append(pair)
@@ -114,9 +124,12 @@ def measure(llm, run_load: Callable[[str], dict], engine_gib: Callable[[], float
                     pair[g] = {"tok_s": run["tok_s"], "steps": run["steps"], "wall_s": run["wall_s"],
                                "allocator": llm.collective_rpc(guard_report)[0],
                                "gpu_used_by_processes_gib": engine_gib()}
-        llm.collective_rpc(set_guard, args=("off", None))
-    except Exception as e:  # the cap's out-of-memory error ends the engine: what ran stays recorded
-        out["error"] = {"guard": guard, "run": g, "what": f"{type(e).__name__}: {e}"[:2000]}
+        except Exception as e:  # what ran stays recorded
+            out["errors"].append({"guard": guard, "run": g, "what": f"{type(e).__name__}: {e}"[:2000]})
+        try:
+            llm.collective_rpc(set_guard, args=("off", None))
+        except Exception:  # the engine no longer answers (the cap's out-of-memory error ends it)
+            break
     return out
 
 
@@ -127,27 +140,25 @@ def summarize(measured: dict, tolerance_gib: float) -> dict:
     (median, min, max) and how often it trimmed."""
     if "guards" not in measured:
         return dict(measured)
-    out = {k: measured[k] for k in ("budget_gib", "outside_allocator_gib", "limit_gib")}
-    if "error" in measured:
-        out["error"] = measured["error"]
-    failed = measured.get("error", {}).get("run")
-    runs = {g: [p[g] for ps in measured["guards"].values() for p in ps if g in p] for g in ("off", *GUARDS)}
-    for g, rs in runs.items():
+    out = {k: measured[k] for k in ("budget_gib", "outside_allocator_gib", "limit_gib", "errors")}
+    failed = {e["run"] for e in measured["errors"]}
+    for g in ("off", *GUARDS):
+        rs = [p[g] for ps in measured["guards"].values() for p in ps if g in p]
+        ok = g not in failed  # a guard with a failed run did not hold the engine within anything
         if not rs:
-            if g == failed:  # its first run failed: it held the engine within nothing
+            if not ok:
                 out[g] = {"runs": 0, "within_budget": False}
             continue
         peak = max(r["allocator"]["max_reserved_gib"] for r in rs) + measured["outside_allocator_gib"]
         over = peak - measured["budget_gib"]
-        out[g] = {"runs": len(rs), "peak_gib": peak, "over_budget_gib": over,
-                  "within_budget": over <= tolerance_gib and g != failed,
+        out[g] = {"runs": len(rs), "peak_gib": peak, "over_budget_gib": over, "within_budget": over <= tolerance_gib and ok,
                   "gpu_used_by_processes_max_gib": max((r["gpu_used_by_processes_gib"] or 0) for r in rs)}
     for g in GUARDS:
-        ratios = [p[g]["tok_s"] / p["off"]["tok_s"] for p in measured["guards"].get(g, []) if g in p and "off" in p]
-        if ratios and g in out:
-            calls = sum(p[g]["allocator"]["step_calls"] for p in measured["guards"][g] if g in p)
+        paired = [p for p in measured["guards"].get(g, []) if g in p and "off" in p]
+        if paired and g in out:
+            ratios = [p[g]["tok_s"] / p["off"]["tok_s"] for p in paired]
             out[g].update(tok_s_ratio=statistics.median(ratios), tok_s_ratio_min=min(ratios),
                           tok_s_ratio_max=max(ratios), pairs=len(ratios),
-                          trims=sum(p[g]["allocator"]["trims"] for p in measured["guards"][g] if g in p),
-                          step_calls=calls)
+                          trims=sum(p[g]["allocator"]["trims"] for p in paired),
+                          step_calls=sum(p[g]["allocator"]["step_calls"] for p in paired))
     return out

