@@ -62,7 +62,7 @@
 #     offered loads 1x and 2x the native engine's maximum concurrency, 3 pairs (AB, BA, AB) per load, then
 #     --merge + --plot; ARGS go to both runs. To $OUT/capacity_t{3,7}.json (or their .partial where a run was
 #     cut off), capacity.json + capacity.png (merged) and the engines' logs (gzipped). About 18-20 minutes on
-#     an H100: 4 engine starts of 3-4 min (compile + CUDA graphs) and ~1-2 min of measurement per T (T=7: ~1 min
+#     an H100: 4 engine starts of 3-4 min (compile + CUDA graphs) and ~1-2 min of measurement per T (T=7: ~1.5 min
 #     more for the guards); longer
 #     than one 10-minute command, so start it with `bg` and collect it with `jobs`:
 #       bash benchmarks/gpu_run.sh bg cap 0 capacity; bash benchmarks/gpu_run.sh jobs 580   # (jobs again until done)
