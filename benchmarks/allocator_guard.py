@@ -15,9 +15,9 @@ guards are measured):
   cannot fail a step; it costs a device sync each time it fires, and a step can still pass the
   limit between two checks;
 * "expandable": the allocator's expandable segments (`expandable_segments:True`, switched on
-  while it serves: segments it maps from then on grow in place instead of new blocks being
-  allocated beside them). No limit: whether the cache's growth is fragmentation, and how much
-  of it this leaves;
+  while it serves, the process's other allocator settings kept: segments it maps from then on
+  grow in place instead of new blocks being allocated beside them). No limit: whether the cache's
+  growth is fragmentation, and how much of it this leaves;
 * "cap": `torch.cuda.set_per_process_memory_fraction` at the limit. The allocator then frees
   cached blocks itself when an allocation would pass the limit, inside a step too, at no cost
   below it; but a step whose live tensors (with the blocks they split) pass it fails with an
@@ -55,7 +55,7 @@ def set_guard(worker, guard: str, limit_bytes: int | None) -> None:
         inner.__dict__.pop(name, None)  # back to the class's method
     torch.cuda.set_per_process_memory_fraction(1.0)
     if inner.__dict__.get("_allocator_guard", {}).get("guard") == "expandable":
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        torch.cuda.memory._set_allocator_settings(_settings_with_expandable(False))
     torch.cuda.empty_cache()
     counters = {"guard": guard, "step_calls": 0, "trims": 0, "trimmed_bytes": 0}
     inner.__dict__["_allocator_guard"] = counters
@@ -63,11 +63,22 @@ def set_guard(worker, guard: str, limit_bytes: int | None) -> None:
         for name in _STEP_CALLS:
             inner.__dict__[name] = _trimming(getattr(inner, name), limit_bytes, counters)
     elif guard == "expandable":
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        torch.cuda.memory._set_allocator_settings(_settings_with_expandable(True))
     elif guard == "cap":
         torch.cuda.set_per_process_memory_fraction(limit_bytes / torch.cuda.get_device_properties(
             torch.cuda.current_device()).total_memory)
     torch.cuda.reset_peak_memory_stats()
+
+
+def _settings_with_expandable(on: bool) -> str:
+    """The allocator settings the process started with (PYTORCH_ALLOC_CONF, else
+    PYTORCH_CUDA_ALLOC_CONF) with expandable segments on or off: torch takes the settings whole,
+    resetting every option the string leaves out."""
+    import os
+
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    kept = [opt for opt in conf.split(",") if opt.strip() and not opt.strip().startswith("expandable_segments")]
+    return ",".join([*kept, f"expandable_segments:{on}"])
 
 
 def _trimming(step: Callable, limit_bytes: int, counters: dict) -> Callable:

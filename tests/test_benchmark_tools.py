@@ -674,7 +674,8 @@ class _FakeAllocator:
         self.cap = None if f == 1.0 else f * self.total
 
     def settings(self, text):
-        assert text in ("expandable_segments:True", "expandable_segments:False")
+        assert text in ("max_split_size_mb:512,expandable_segments:True",
+                        "max_split_size_mb:512,expandable_segments:False")  # the process's own kept
         self.expandable = text.endswith("True")
 
     def step(self):
@@ -706,6 +707,8 @@ def test_allocator_guards_alternate_with_the_engine_unguarded_and_report_its_pea
     guard's pairs, and that guard is not within budget."""
     torch = pytest.importorskip("torch")
     guard = _load("allocator_guard")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False,max_split_size_mb:512")
     alloc = _FakeAllocator(torch, monkeypatch)
     worker = _FakeWorker(alloc)
     wrapper = type("Wrapper", (), {"worker": worker})()
