@@ -1,4 +1,4 @@
-"""Two ways to hold a serving engine's GPU memory to its gpu_memory_utilization, measured on an
+"""Ways to hold a serving engine's GPU memory to its gpu_memory_utilization, measured on an
 engine already built (issue 46's `within_budget`; run by `capacity.py --allocator-guards`).
 
 vLLM sizes the KV cache from a profile (weights, memory outside PyTorch's allocator, a dummy
@@ -45,7 +45,8 @@ _STEP_CALLS = ("execute_model", "sample_tokens")
 
 def set_guard(worker, guard: str, limit_bytes: int | None) -> None:
     """In an engine's worker: remove any guard, empty the allocator's cache, install `guard`
-    ("off", "trim" or "cap") at `limit_bytes`, restart the allocator's peaks and the counters."""
+    ("off" or one of GUARDS; "trim" and "cap" at `limit_bytes`), restart the allocator's peaks and
+    the counters."""
     import torch
 
     if guard not in ("off", *GUARDS):
