@@ -29,8 +29,9 @@ peaks restarted, so that each run's peak is its own. Per run: tokens/s, the peak
 held (`max_reserved_gib`) and, with what lies outside it, the engine's peak against its budget;
 the guard's counters. A run that fails is recorded (`errors`) and ends its guard's pairs; the
 next guard is measured if the engine still answers (the cap's out-of-memory error ends it, so the
-cap comes last). This module holds the guards and their measurement; which one the package
-should install is the measurement's question, not settled here.
+cap comes last). This module holds the guards, their measurement and the reading of a worker's
+allocator that it and capacity.py take (`torch_memory`); which guard the package should install
+is the measurement's question, not settled here.
 """
 
 from __future__ import annotations
@@ -100,14 +101,28 @@ def _trimming(step: Callable, limit_bytes: int, counters: dict) -> Callable:
     return trimmed
 
 
-def guard_report(worker) -> dict:
-    """In an engine's worker: the guard's counters and the allocator's peaks since set_guard."""
+def torch_memory(worker, reset_peaks: bool = False) -> dict:
+    """In an engine's worker: what PyTorch's allocator holds (reserved) and what live tensors take
+    (allocated), now and at most since the peaks were last reset (GiB), to tell the allocator's
+    growth from the rest of the process (CUDA context, NCCL; graphs' pools are the allocator's),
+    and live tensors beyond vLLM's profile (allocated peak) from blocks the allocator keeps cached;
+    {} without CUDA."""
     import torch
 
+    if not torch.cuda.is_available():
+        return {}
+    out = {"reserved_gib": torch.cuda.memory_reserved() / GIB, "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+           "allocated_gib": torch.cuda.memory_allocated() / GIB,
+           "max_allocated_gib": torch.cuda.max_memory_allocated() / GIB}
+    if reset_peaks:
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def guard_report(worker) -> dict:
+    """In an engine's worker: the guard's counters and the allocator's memory since set_guard."""
     inner = getattr(worker, "worker", worker)
-    return dict(inner.__dict__.get("_allocator_guard", {}),
-                reserved_gib=torch.cuda.memory_reserved() / GIB, max_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
-                max_allocated_gib=torch.cuda.max_memory_allocated() / GIB)
+    return dict(inner.__dict__.get("_allocator_guard", {}), **torch_memory(worker))
 
 
 def measure(llm, run_load: Callable[[str], dict], engine_gib: Callable[[], float | None], budget_gib: float,

@@ -356,23 +356,6 @@ def gpu_processes() -> dict[int, int] | None:
     return {p.pid: p.usedGpuMemory for p in procs}
 
 
-def _torch_memory(worker, reset_peaks: bool = False) -> dict:
-    """In an engine's worker: what PyTorch's allocator holds (reserved) and what live tensors take
-    (allocated), now and at most since the peaks were last reset (GiB), to tell the allocator's
-    growth from the rest of the process (CUDA context, NCCL; graphs' pools are the allocator's),
-    and live tensors beyond vLLM's profile (allocated peak) from blocks the allocator keeps cached."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    out = {"reserved_gib": torch.cuda.memory_reserved() / GIB, "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-           "allocated_gib": torch.cuda.memory_allocated() / GIB,
-           "max_allocated_gib": torch.cuda.max_memory_allocated() / GIB}
-    if reset_peaks:
-        torch.cuda.reset_peak_memory_stats()
-    return out
-
-
 def engine_gib(pids: list[int] | None) -> float | None:
     """What an engine's processes (`pids`, found when it was built) hold on the GPU now."""
     now = gpu_processes()
@@ -443,7 +426,7 @@ def engines(args) -> None:
             info["gpu_pids"] = sorted(set(procs_after) - set(procs_before))
             info["gpu_used_by_processes_gib"] = engine_gib(info["gpu_pids"])
         # the peaks restart here: later readings' peaks are what serving added
-        info["torch_memory"] = llms[name].collective_rpc(_torch_memory, args=(True,))[0]
+        info["torch_memory"] = llms[name].collective_rpc(allocator_guard.torch_memory, args=(True,))[0]
         res["engines"][name] = info
         print(f"[capacity] {name} engine up in {info['engine_start_s']:.0f} s, maximum concurrency "
               f"{info['max_concurrency']:.1f}", flush=True)
@@ -472,7 +455,7 @@ def engines(args) -> None:
                 run = drive(llms[name], metrics[name], prompts, args.out_len, f"n{n}p{p}", args.sample_every)
                 pair[name] = dict(run, host_probe_ms=e2e_decode.host_probe_ms(llms[name]),
                                   gpu_used_by_processes_gib=engine_gib(res["engines"][name].get("gpu_pids")),
-                                  torch_memory=llms[name].collective_rpc(_torch_memory)[0])
+                                  torch_memory=llms[name].collective_rpc(allocator_guard.torch_memory)[0])
             pairs.append(pair)
             res["pairs"][str(n)] = pairs
             json.dump(res, open(args.pairs_out, "w"), indent=1)

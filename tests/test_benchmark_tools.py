@@ -664,6 +664,7 @@ class _FakeAllocator:
         for name, fn in {"memory_reserved": lambda: int(self.reserved * gib),
                          "max_memory_reserved": lambda: int(self.peak * gib),
                          "max_memory_allocated": lambda: int(self.live_peak * gib),
+                         "memory_allocated": lambda: int(self.live * gib), "is_available": lambda: True,
                          "empty_cache": self.empty_cache, "reset_peak_memory_stats": self.reset,
                          "set_per_process_memory_fraction": self.set_fraction, "current_device": lambda: 0,
                          "get_device_properties": lambda d: type("P", (), {"total_memory": int(total * gib)})}.items():
