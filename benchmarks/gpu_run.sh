@@ -88,6 +88,11 @@
 #     logs (TESTFOLDER_ARM.out.log); ALIGN_K=flashinfer (pytest -k) runs one prefill backend. The plan serves this
 #     combination by default on CUDA only on the releases, per prefill backend, where it passed
 #     (versions.ALIGN_MTP_CUDA_VALIDATED, ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED).
+#   bash benchmarks/gpu_run.sh fipool          # issue 46 (after fiinstall; vLLM not needed: stage the two FlashInfer
+#     parts and .bundle/deps/apache_tvm_ffi-*.whl, which fiinstall installs beside FlashInfer where vLLM's deps are absent)
+#     tests/gpu/test_flashinfer_pool_prefill_gpu.py: FlashInfer's GDN prefill on a state pool by row against vLLM's
+#     gathered form, to $OUT/ktest_full.log. Where it passes, the release goes into
+#     versions.FLASHINFER_POOL_PREFILL_VALIDATED (the FlashInfer vLLM pins for it is the one tested).
 #   bash benchmarks/gpu_run.sh alignsan        # issue 47 (needs install, fiinstall with vLLM 0.34): under
 #     compute-sanitizer memcheck, vLLM's FLA prefill alone at GDN head dim 64 and 128 (benchmarks/align_arm.py
 #     kernels, to $OUT/alignsan_kernels_dD.log), then the align test's patched arm alone at GDN head dim 64, where
@@ -186,6 +191,9 @@ case "${1:?step}" in
     ls -la $B/parts $B/fi; ls $B/deps | wc -l ;;
   fiinstall)
     mkdir -p $FI && cat $B/fi/flashinfer.tar.xz.* | xz -d | tar x -C $FI
+    # FlashInfer's TVM FFI comes with vLLM's deps (install); without vLLM, from its staged wheel
+    PYTHONPATH=$PYTHONPATH:$FI_PATH python3 -c "import tvm_ffi" 2>/dev/null || \
+      python3 -m pip install -q --no-index --no-deps --no-compile --target $FI $B/deps/apache_tvm_ffi-*.whl
     PYTHONPATH=$PYTHONPATH:$FI_PATH python3 -c \
       "import cutlass.cute, flashinfer.gdn_decode as g, flashinfer.norm as n, torch, importlib.util as u
 print('flashinfer', g.__name__, 'cutlass.cute ok; norm through CUDA JIT (nvcc):', n._use_cuda_norm(torch.device('cuda')),
@@ -321,6 +329,8 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
       ${ALIGN_K:+-k "$ALIGN_K"} 2>&1 | tee "$OUT/alignmtp.log" | tail -15 || rc=$?
     copy_test_logs /tmp/alignmtp  # each prefill backend's arms
     exit $rc ;;
+  fipool)  # issue 46 (see the header)
+    KTESTS=tests/gpu/test_flashinfer_pool_prefill_gpu.py bash benchmarks/gpu_run.sh ktest ;;
   alignsan)  # issue 47 (see the header)
     mkdir -p /tmp/alignsan; rc=0
     for d in 64 128; do  # vLLM's FLA prefill alone at GDN head dim 64 (where the align test stopped), then 128

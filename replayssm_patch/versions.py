@@ -68,6 +68,9 @@ ALIGN_MTP_CUDA_VALIDATED = (Version("0.33"), Version("0.34"))
 # the same beside vLLM's FlashInfer GDN prefill, which writes align-mode checkpoints inside a chunk
 # (benchmarks/results/vllm034/)
 ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED = (Version("0.34"),)
+# a ring layer's FlashInfer GDN prefill on the state pool in place gave vLLM's call's bits on a GPU
+# in these releases (tests/gpu/test_flashinfer_pool_prefill_gpu.py); elsewhere vLLM's call runs
+FLASHINFER_POOL_PREFILL_VALIDATED: tuple[Version, ...] = ()
 CPU_OPS_VERSION = Version("0.34")  # the CPU build's kernel wrappers moved from vllm._custom_ops to vllm._cpu_ops
 
 
@@ -94,6 +97,7 @@ class Capabilities:
     mrv2_only: bool  # only the V2 model runner exists (0.34+)
     state_alignment: bool  # MambaSpec.state_alignment: each state's bytes in a page rounded up to it (0.34+)
     gdn_chunk_metadata: bool  # GDNAttentionMetadataBuilder._build_chunk_metadata: the prefill's FLA chunk metadata (0.33+)
+    fi_prefill_exps_gate: bool  # vLLM's FlashInfer prefill wrapper exponentiates the gate (< 0.34; later the layer's prep does)
 
 
 def platform_name() -> str:
@@ -146,7 +150,14 @@ def _capabilities_of(version: Version) -> Capabilities:
                         cpu_ops_module=ops, cpu_spec_path=cpu_spec, mtp_cuda=version >= MTP_CUDA_MIN_VERSION,
                         mrv2_only=version >= MRV2_ONLY_VERSION,
                         state_alignment="state_alignment" in {f.name for f in fields(MambaSpec)},
-                        gdn_chunk_metadata=hasattr(GDNAttentionMetadataBuilder, "_build_chunk_metadata"))
+                        gdn_chunk_metadata=hasattr(GDNAttentionMetadataBuilder, "_build_chunk_metadata"),
+                        fi_prefill_exps_gate=_calls_exp(installed_source(QWEN_GDN)))
+
+
+def _calls_exp(qwen_gdn_source: str | None) -> bool:
+    """vLLM's `fi_chunk_gated_delta_rule` in this source of the Qwen GDN module calls `exp` on the gate."""
+    return qwen_gdn_source is not None and \
+        method_calls(None, "fi_chunk_gated_delta_rule", "exp")(ast.parse(qwen_gdn_source)) is None
 
 
 @dataclass(frozen=True)

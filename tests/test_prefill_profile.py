@@ -217,3 +217,35 @@ def test_the_profile_step_is_logged_once_for_the_process(vllm_warmup, clean_patc
         profile_layer("cuda")._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D).to(torch.bfloat16), 0)
     lines = [m for m in clean_patch_state.logged if "GDN prefill step of" in m]
     assert len(lines) == 1 and "raised the profile's peak by 1.00 GiB" in lines[0]
+
+
+@pytest.mark.parametrize("platform,backend,validated,on_pool", [
+    ("cuda", "flashinfer", True, True), ("cuda", "flashinfer", False, False), ("cuda", "triton", True, False),
+    ("cpu", "flashinfer", True, False)])
+def test_which_ring_layers_run_their_prefill_on_the_pool(platform, backend, validated, on_pool, monkeypatch):
+    from replayssm_patch import versions
+    from replayssm_patch.vllm import flashinfer_pool_prefill
+
+    monkeypatch.setattr(flashinfer_pool_prefill, "flashinfer_takes_pool", lambda: True)
+    monkeypatch.setattr(versions, "FLASHINFER_POOL_PREFILL_VALIDATED",
+                        (versions.installed_base_version(),) if validated else ())
+    layer = profile_layer(platform, backend=backend)
+    assert layer._pool_prefill() == on_pool
+    layer.ring_plan = Plan(platform, None, min_batch=1)  # a native layer
+    assert not layer._pool_prefill()
+
+
+def test_a_layer_that_runs_its_prefill_on_the_pool_profiles_that_step(vllm_warmup, clean_patch_state, monkeypatch):
+    from replayssm_patch.vllm import flashinfer_pool_prefill
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(flashinfer_pool_prefill, "run", lambda *a, **kw: seen.append(kw) or torch.zeros(1))
+    layer = profile_layer("cuda", backend="flashinfer", max_num_seqs=5)
+    layer.chunk_gated_delta_rule = flashinfer_pool_prefill.PoolPrefillOp(layer.chunk_gated_delta_rule, lambda: None,
+                                                                         exps_gate=False)
+    layer._warmup_prefill_kernels(torch.randn(20, (2 * HK + HV) * D).to(torch.bfloat16), 0)
+    (call,) = seen
+    assert call["exps_gate"] is False and call["states"].shape == (1, HV, D, D) and call["state_indices"].shape == (5,)
+    assert any("20 tokens over 5 sequences (flashinfer prefill, on the state pool in place)" in m
+               for m in clean_patch_state.logged)

@@ -253,6 +253,23 @@ POINTS = (
                     "chunk_gated_delta_rule", ["initial_state", "output_final_state", "cu_seqlens",
                                                "chunk_indices", "chunk_offsets"])))),
     PatchPoint(
+        "wrap", QWEN_GDN_MODULE, f"{LAYER_CLASS}.chunk_gated_delta_rule (FlashInfer prefill op)",
+        "replayssm_patch.vllm.flashinfer_pool_prefill:PoolPrefillOp", platform="cuda", vllm_versions=">=0.33",
+        what="a ring layer's FlashInfer prefill op reads and writes the step's states in the state pool by row",
+        why="vLLM's layer gathers every prefill sequence's state and FlashInfer returns their final states in a "
+            "new fp32 tensor; the ring engine's memory profile holds that step back from the KV cache",
+        how="the layer's op wrapped: FlashInfer's chunk_gated_delta_rule with state_indices and output_state on the "
+            "pool, the rows of sequences without a state zeroed first, the inputs prepared as vLLM's "
+            "fi_chunk_gated_delta_rule prepares them, vLLM's own gather and scatter left one sequence; only in "
+            "releases where its GPU test passed (versions.FLASHINFER_POOL_PREFILL_VALIDATED)",
+        upstream="vllm-project/vllm#54775 (the GDN prefill's workspace in the memory profile)",
+        remove_when="vLLM calls FlashInfer's GDN prefill on its state pool", applies="ring layer",
+        probes=(Probe("FlashInfer prefill wrapper", QWEN_GDN, has_method(
+                    None, "fi_chunk_gated_delta_rule",
+                    ["q", "k", "v", "g", "beta", "initial_state", "output_final_state", "cu_seqlens"])),
+                Probe("layer prefill call", QWEN_GDN, calls_with_keywords(
+                    "chunk_gated_delta_rule", ["initial_state", "output_final_state", "cu_seqlens"])))),
+    PatchPoint(
         "attribute", QWEN_GDN_MODULE, f"{LAYER_CLASS}.enable_fused_gdn_spec_decode",
         "replayssm_patch.vllm.fused_decode_flags:disable",
         what="vLLM's fused MTP decode is off on MTP ring layers (enable_fused_gdn_decode before vLLM 0.32)",

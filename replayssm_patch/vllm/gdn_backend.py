@@ -30,10 +30,10 @@ from vllm.v1.attention.backends.gdn_attn import (
 )
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from .. import worker_counters
+from .. import versions, worker_counters
 from ..ring.flags import fill_flags
 from ..state import STATE
-from . import metadata_reuse, prefill_groups
+from . import flashinfer_pool_prefill, metadata_reuse, prefill_groups
 
 STATS_LOG_SECONDS = 60  # the ring's counters in the worker's log, at most this often
 
@@ -77,7 +77,8 @@ class ReplayGDNAttentionMetadata(GDNAttentionMetadata):
     ring_commit_slots: torch.Tensor | None = None  # MTP: non-spec rows' slots, commit first
     ring_commit_accepted: torch.Tensor | None = None  # MTP: their num_accepted_tokens
     ring_decode: bool = True  # this step's plain decode rows go through the ring (else native)
-    ring_prefill_groups: object | None = None  # prefill_groups.StepGroups of the prefill, or None
+    # prefill_groups.StepGroups of the prefill (groups empty: FlashInfer's op on the pool), or None
+    ring_prefill_groups: object | None = None
 
 
 class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -93,6 +94,8 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
         self._prefill_groups = None  # this build's, from _build_chunk_metadata
         self.groups_prefill = plan.platform == "cuda"  # as the ring layers (gdn_layer._groups_prefill)
+        self.pool_prefill = flashinfer_pool_prefill.applies(  # as the ring layers (gdn_layer._pool_prefill)
+            plan.platform, getattr(self, "gdn_prefill_backend", None), versions.installed_base_version())
         metadata_reuse.opt_in(self, vllm_config, device)
         STATE.publish_stats_in_background(worker_counters.PUBLISH_SECONDS)  # once per worker process
 
@@ -103,7 +106,9 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                            num_decode_draft_tokens_cpu, fast_build)
         STATE.log_stats_every(STATS_LOG_SECONDS)
         extra = self._ring_fields(common_attn_metadata, md)
-        if self._prefill_groups is not None:  # the layers' grouped op gathers and scatters the states
+        if self._prefill_on_pool(md):
+            self._prefill_groups = ()
+        if self._prefill_groups is not None:  # the layers' op gathers and scatters the states (or runs on the pool)
             step = prefill_groups.StepGroups(self._prefill_groups, md.prefill_state_indices, md.prefill_has_initial_state)
             extra["ring_prefill_groups"] = step
             extra.update(step.vllm_rows())
@@ -116,6 +121,11 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         elif md.num_spec_decodes:  # cannot happen: spec rows exist only with a speculative config
             raise RuntimeError("GDN ring builder: speculative rows without a speculative config")
         return ReplayGDNAttentionMetadata(**({f.name: getattr(md, f.name) for f in fields(md)} | extra))
+
+    def _prefill_on_pool(self, md) -> bool:
+        """The ring layers run this step's prefill on the state pool (flashinfer_pool_prefill):
+        unless vLLM calls FlashInfer itself (align mode's checkpoint plan, every row gathered)."""
+        return self.pool_prefill and md.num_prefills > 0 and getattr(md, "flashinfer_checkpoint_plan", None) is None
 
     def _build_chunk_metadata(self, prefill_query_start_loc, prefill_query_start_loc_cpu, device):
         """vLLM's chunk metadata for the step's prefill (vLLM >= 0.33 calls this from build), and,

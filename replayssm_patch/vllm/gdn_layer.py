@@ -12,6 +12,7 @@ replaced by the wrappers of this package, find the ring.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from math import prod
 
 import torch
@@ -25,7 +26,8 @@ from ..ring.call import cpu_kv_view, run_with_ring
 from ..ring.runtime import RingBuffers, ops_for
 from ..state import STATE, PatchRefused
 from .. import versions
-from . import align_copy_funcs, fused_decode_flags, model_class, prefill_groups, prefill_profile, spec_verify_step
+from . import (align_copy_funcs, flashinfer_pool_prefill, fused_decode_flags, model_class, prefill_groups,
+               prefill_profile, spec_verify_step)
 from .gdn_backend import ReplayGDNAttentionBackend, ReplayGDNAttentionMetadata, ring_spec, state_offsets
 
 
@@ -77,6 +79,9 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         if self._groups_prefill():
             self.chunk_gated_delta_rule = prefill_groups.GroupedPrefillOp(self.chunk_gated_delta_rule,
                                                                           self._step_prefill_groups)
+        elif self._pool_prefill():
+            self.chunk_gated_delta_rule = flashinfer_pool_prefill.PoolPrefillOp(
+                self.chunk_gated_delta_rule, self._step_prefill_groups, versions.capabilities().fi_prefill_exps_gate)
 
     def _groups_prefill(self) -> bool:
         """Whether this layer runs its prefill op per group (prefill_groups): on the ring, on CUDA,
@@ -85,6 +90,13 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         caps = versions.capabilities()
         return (self.ring_plan.serves and self.ring_plan.platform == "cuda" and caps is not None
                 and caps.gdn_chunk_metadata and getattr(self, "gdn_prefill_backend", None) == "triton")
+
+    def _pool_prefill(self) -> bool:
+        """Whether this layer runs FlashInfer's prefill on its state pool in place
+        (flashinfer_pool_prefill): on the ring, with vLLM's FlashInfer prefill op, where a GPU run
+        validated it."""
+        return self.ring_plan.serves and flashinfer_pool_prefill.applies(
+            self.ring_plan.platform, getattr(self, "gdn_prefill_backend", None), versions.installed_base_version())
 
     def _step_prefill_groups(self):
         """This step's prefill groups from the ring's metadata with the layer's state pool, or None."""
@@ -189,13 +201,18 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
         tokens, seqs = qkv.shape[0], prefill_profile.profile_seqs(qkv.shape[0], self.ring_max_num_seqs)
         # (the profile's peak statistics are vLLM's: read, never reset, here)
         peak_before = torch.cuda.max_memory_allocated()
-        grouped = isinstance(self.chunk_gated_delta_rule, prefill_groups.GroupedPrefillOp)
+        op = self.chunk_gated_delta_rule
+        grouped = isinstance(op, prefill_groups.GroupedPrefillOp)
+        on_pool = isinstance(op, flashinfer_pool_prefill.PoolPrefillOp)
+        if grouped:
+            op = op.op
+        elif on_pool:
+            op = partial(flashinfer_pool_prefill.run, exps_gate=op.exps_gate)
         try:
-            prefill_profile.prefill_step(self.chunk_gated_delta_rule.op if grouped else self.chunk_gated_delta_rule,
-                                         qkv, (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
+            prefill_profile.prefill_step(op, qkv, (self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size),
                                          tuple(self.get_state_shape()[1]), self.get_state_dtype()[1], seqs,
                                          prefill_groups.fla_chunk_size() if grouped else None,
-                                         spec_decode=bool(self.ring_plan.spec_tokens))
+                                         spec_decode=bool(self.ring_plan.spec_tokens), on_pool=on_pool)
         except torch.OutOfMemoryError:
             raise  # the budget cannot hold such a step: serving it would fail the same way
         except Exception as e:  # the op refused the step's shapes: the engine starts as vLLM would
@@ -207,7 +224,8 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
             torch.cuda.empty_cache()
         raised = (torch.cuda.max_memory_allocated() - peak_before) / (1 << 30)
         how = "per group of at most {} chunks of {} sequences".format(
-            prefill_groups.GROUP_CHUNKS, prefill_groups.GROUP_SEQS) if grouped else "in one call"
+            prefill_groups.GROUP_CHUNKS, prefill_groups.GROUP_SEQS) if grouped else \
+            "on the state pool in place" if on_pool else "in one call"
         STATE.log_once(logging.INFO, f"replayssm_patch: vLLM's memory profile includes a GDN prefill step of {tokens} "
                                      f"tokens over {seqs} sequences ({backend} prefill, {how}), which vLLM's own "
                                      f"profile leaves out: it raised the profile's peak by {raised:.2f} GiB, which "

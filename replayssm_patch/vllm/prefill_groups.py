@@ -96,7 +96,7 @@ def fla_chunk_size() -> int:
 @dataclass(frozen=True)
 class StepGroups:
     """A step's prefill as the ring layers run it: its groups and where its sequences' states are."""
-    groups: tuple[PrefillGroup, ...]
+    groups: tuple[PrefillGroup, ...]  # () where the layer's op runs the whole step on the pool (flashinfer_pool_prefill)
     state_indices: torch.Tensor  # the state pool's row of each prefill sequence (vLLM's prefill_state_indices)
     has_initial_state: torch.Tensor  # per prefill sequence: whether its row holds a state (else it starts at 0)
 

@@ -9,7 +9,8 @@ accounted; how much: benchmarks/results/gdn_prefill_memory_h100_2026-12-07/. A r
 therefore runs, in its profile forward on CUDA, after vLLM's warmup, the worst step vLLM's
 scheduler may send it (the profile's tokens over as many sequences as `max_num_seqs` allows)
 through the layer's own prefill op, as the layer runs it (per group of chunks where it does:
-prefill_groups), so that the profile's peak includes it and the KV cache is sized without it.
+prefill_groups; on the state pool where it does: flashinfer_pool_prefill), so that the profile's
+peak includes it and the KV cache is sized without it.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def group_filling_lens(tokens: int, seqs: int, chunk_size: int) -> list[int]:
 
 def prefill_step(chunk, qkv: torch.Tensor, heads: tuple[int, int], state_shape: tuple[int, ...],
                  state_dtype: torch.dtype, seqs: int, chunk_size: int | None = None,
-                 spec_decode: bool = False) -> None:
+                 spec_decode: bool = False, on_pool: bool = False) -> None:
     """The allocations of one prefill step of vLLM's GDN core over `qkv`'s tokens (the in-projection's
     q/k/v part, [tokens, (2 * key_heads + value_heads) * head_dim]) spread over `seqs` sequences,
     with the scan run through `chunk` (vLLM's `chunk_gated_delta_rule` interface): in one call, as
     vLLM makes it, or, given the op's `chunk_size`, per group as a ring layer's prefill op makes it
-    (prefill_groups). `spec_decode`: the engine speculates, so a prefill step beside verify rows
+    (prefill_groups), or, `on_pool`, with `chunk` flashinfer_pool_prefill.run's interface, on the
+    state pool as a ring layer's FlashInfer op makes it. `spec_decode`: the engine speculates, so a
+    prefill step beside verify rows
     first copies its prefill tokens out of the step's (vLLM's `index_select` of the non-spec
     tokens, kept to the end of the core as the conv's input).
     What is computed does not matter here, only what is held while it runs; `heads` = (key heads,
@@ -68,6 +71,12 @@ def prefill_step(chunk, qkv: torch.Tensor, heads: tuple[int, int], state_shape: 
     lens = seq_lens(tokens, seqs) if chunk_size is None else group_filling_lens(tokens, seqs, chunk_size)
     cu_host = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
     args = dict(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=False)
+    if on_pool:  # the pool is the KV cache's: one row here, every sequence's (what it holds is never read)
+        pool = torch.zeros(1, *state_shape, device=dev, dtype=state_dtype)
+        out = chunk(q, k, v, g, beta, states=pool, state_indices=torch.zeros(seqs, device=dev, dtype=torch.int32),
+                    has_initial_state=torch.ones(seqs, device=dev, dtype=torch.bool), cu_seqlens=cu_host.to(dev))
+        del out
+        return
     groups = None if chunk_size is None else prefill_groups.plan(cu_host, chunk_size, lambda cu: (cu.to(dev), None, None))
     if groups is not None:  # each group gathers its sequences' states from the pool (the KV cache's: one row here)
         pool = torch.zeros(1, *state_shape, device=dev, dtype=state_dtype)
