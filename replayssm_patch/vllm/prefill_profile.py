@@ -52,9 +52,8 @@ def prefill_step(chunk, qkv: torch.Tensor, heads: tuple[int, int], state_shape: 
     vLLM makes it, or, given the op's `chunk_size`, per group as a ring layer's prefill op makes it
     (prefill_groups), or, `on_pool`, with `chunk` flashinfer_pool_prefill.run's interface, on the
     state pool as a ring layer's FlashInfer op makes it. `spec_decode`: the engine speculates, so a
-    prefill step beside verify rows
-    first copies its prefill tokens out of the step's (vLLM's `index_select` of the non-spec
-    tokens, kept to the end of the core as the conv's input).
+    prefill step beside verify rows first copies its prefill tokens out of the step's (vLLM's
+    `index_select` of the non-spec tokens, kept to the end of the core as the conv's input).
     What is computed does not matter here, only what is held while it runs; `heads` = (key heads,
     value heads) of this rank, `state_shape` = one sequence's SSM state [value heads, V, K]."""
     hk, hv = heads
