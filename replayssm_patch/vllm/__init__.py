@@ -103,6 +103,7 @@ class PatchPoint:
 
 _SEED = "vLLM PR 65657 (FlashInfer GDN ReplaySSM) and its successors: GDN ReplaySSM inside vLLM"
 
+_PREFILL_MEMORY_UPSTREAM = "vllm-project/vllm#54775 (the GDN prefill's workspace in the memory profile)"
 MAMBA_UTILS = "vllm/v1/worker/mamba_utils.py"
 _ALIGN_CTX = "MambaSpecDecodeGPUContext"
 _ALIGN_UPSTREAM = ("a hook in vLLM's align-mode state moves for states a layer keeps itself (vLLM 0.34 has one for "
@@ -225,7 +226,7 @@ POINTS = (
             "held beyond the budget it was given",
         how="after vLLM's kernel warmup, once, on CUDA: the allocations of vLLM's prefill step over as many "
             "sequences as max_num_seqs allows, the scan through the layer's own prefill op",
-        upstream="vllm-project/vllm#54775 (the GDN prefill's workspace in the memory profile)",
+        upstream=_PREFILL_MEMORY_UPSTREAM,
         remove_when="vLLM's memory profile counts a GDN prefill step", applies="ring layer",
         probes=(Probe("layer _warmup_prefill_kernels", QWEN_GDN, has_method(
                     LAYER_CLASS, "_warmup_prefill_kernels", ["self", "qkv_or_qkvz", "v_dim"], exact=True)),
@@ -244,7 +245,7 @@ POINTS = (
             "(_build_chunk_metadata, with its chunk metadata per group), each group gathering its "
             "sequences' states from the pool and scattering its final states back as vLLM does, vLLM's own gather "
             "and scatter around the op left one sequence (the builder's prefill_state_indices); Triton prefill op only",
-        upstream="vllm-project/vllm#54775 (the GDN prefill's workspace in the memory profile)",
+        upstream=_PREFILL_MEMORY_UPSTREAM,
         remove_when="vLLM bounds its GDN prefill's memory per step", applies="ring layer",
         probes=(Probe("builder chunk metadata", GDN_BUILDER, has_method(
                     "GDNAttentionMetadataBuilder", "_build_chunk_metadata",
@@ -262,7 +263,7 @@ POINTS = (
             "pool, the rows of sequences without a state zeroed first, the inputs prepared as vLLM's "
             "fi_chunk_gated_delta_rule prepares them, vLLM's own gather and scatter left one sequence; only in "
             "releases where its GPU test passed (versions.FLASHINFER_POOL_PREFILL_VALIDATED)",
-        upstream="vllm-project/vllm#54775 (the GDN prefill's workspace in the memory profile)",
+        upstream=_PREFILL_MEMORY_UPSTREAM,
         remove_when="vLLM calls FlashInfer's GDN prefill on its state pool", applies="ring layer",
         probes=(Probe("FlashInfer prefill wrapper", QWEN_GDN, has_method(
                     None, "fi_chunk_gated_delta_rule",
