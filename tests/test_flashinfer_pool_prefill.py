@@ -6,16 +6,14 @@ interface (testing.reference_prefill.ReferenceFlashInferPrefill) is installed as
 the pool form must give the outputs and pool rows of vLLM's form: vLLM's layer gathering the
 states, vLLM's own `fi_chunk_gated_delta_rule` (the installed release's) calling the reference in
 sequence order, and the scatter. Whether FlashInfer's kernel gives the same bits in both forms:
-tests/gpu/test_flashinfer_pool_prefill_gpu.py. Also: the layer's op wrapper, the builder's
-choice per step, where the form applies, and the memory profile's step.
+tests/gpu/test_flashinfer_pool_prefill_gpu.py. Also: the layer's op wrapper, where the form
+applies, and the memory profile's step.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import types
-from dataclasses import dataclass
 from itertools import accumulate
 
 import pytest
@@ -157,12 +155,13 @@ def test_where_the_pool_form_applies(monkeypatch):
     v = versions.Version("0.33")
     monkeypatch.setattr(flashinfer_pool_prefill, "flashinfer_takes_pool", lambda: True)
     monkeypatch.setattr(versions, "FLASHINFER_POOL_PREFILL_VALIDATED", (v,))
-    assert flashinfer_pool_prefill.applies("cuda", "flashinfer", v)
-    assert not flashinfer_pool_prefill.applies("cuda", "triton", v)
-    assert not flashinfer_pool_prefill.applies("cpu", "flashinfer", v)
-    assert not flashinfer_pool_prefill.applies("cuda", "flashinfer", versions.Version("0.34"))  # not validated there
+    assert flashinfer_pool_prefill.applies("cuda", "flashinfer", v, align=False)
+    assert not flashinfer_pool_prefill.applies("cuda", "flashinfer", v, align=True)  # vLLM calls FlashInfer itself
+    assert not flashinfer_pool_prefill.applies("cuda", "triton", v, align=False)
+    assert not flashinfer_pool_prefill.applies("cpu", "flashinfer", v, align=False)
+    assert not flashinfer_pool_prefill.applies("cuda", "flashinfer", versions.Version("0.34"), align=False)  # not validated
     monkeypatch.setattr(flashinfer_pool_prefill, "flashinfer_takes_pool", lambda: False)
-    assert not flashinfer_pool_prefill.applies("cuda", "flashinfer", v)  # an older FlashInfer
+    assert not flashinfer_pool_prefill.applies("cuda", "flashinfer", v, align=False)  # an older FlashInfer
 
 
 def test_flashinfer_without_the_pool_form_is_seen(flashinfer, monkeypatch):
@@ -187,23 +186,3 @@ def test_the_profile_step_runs_on_a_pool_row(flashinfer):
     (call,) = flashinfer.calls
     assert call["initial_state"].shape == (1, HV, D, D) and call["output_state"] is call["initial_state"]
     assert call["state_indices"].shape == (7,) and call["cu_seqlens"].tolist() == [0, 6, 12, 18, 24, 30, 35, 40]
-
-
-if not os.environ.get("CI"):
-    pytest.importorskip("vllm")
-
-
-def test_the_builder_runs_a_steps_prefill_on_the_pool_unless_vllm_calls_flashinfer_itself():
-    from replayssm_patch.vllm.gdn_backend import ReplayGDNAttentionMetadataBuilder
-
-    @dataclass
-    class Metadata:
-        num_prefills: int
-        flashinfer_checkpoint_plan: object = None
-
-    builder = ReplayGDNAttentionMetadataBuilder.__new__(ReplayGDNAttentionMetadataBuilder)
-    for pool_prefill, md, on_pool in ((True, Metadata(2), True), (True, Metadata(0), False),
-                                      (True, Metadata(2, flashinfer_checkpoint_plan="align"), False),
-                                      (False, Metadata(2), False)):
-        builder.pool_prefill = pool_prefill
-        assert builder._prefill_on_pool(md) == on_pool

@@ -219,10 +219,14 @@ def test_the_profile_step_is_logged_once_for_the_process(vllm_warmup, clean_patc
     assert len(lines) == 1 and "raised the profile's peak by 1.00 GiB" in lines[0]
 
 
-@pytest.mark.parametrize("platform,backend,validated,on_pool", [
-    ("cuda", "flashinfer", True, True), ("cuda", "flashinfer", False, False), ("cuda", "triton", True, False),
-    ("cpu", "flashinfer", True, False)])
-def test_which_ring_layers_run_their_prefill_on_the_pool(platform, backend, validated, on_pool, monkeypatch):
+@pytest.mark.parametrize("platform,backend,validated,cache_mode,on_pool", [
+    ("cuda", "flashinfer", True, "none", True), ("cuda", "flashinfer", False, "none", False),
+    ("cuda", "flashinfer", True, "align", False), ("cuda", "triton", True, "none", False),
+    ("cpu", "flashinfer", True, "none", False)])
+def test_which_ring_layers_run_their_prefill_on_the_pool(platform, backend, validated, cache_mode, on_pool,
+                                                         monkeypatch):
+    from types import SimpleNamespace
+
     from replayssm_patch import versions
     from replayssm_patch.vllm import flashinfer_pool_prefill
 
@@ -230,6 +234,7 @@ def test_which_ring_layers_run_their_prefill_on_the_pool(platform, backend, vali
     monkeypatch.setattr(versions, "FLASHINFER_POOL_PREFILL_VALIDATED",
                         (versions.installed_base_version(),) if validated else ())
     layer = profile_layer(platform, backend=backend)
+    layer.ring_cache_config = SimpleNamespace(mamba_cache_mode=cache_mode)
     assert layer._pool_prefill() == on_pool
     layer.ring_plan = Plan(platform, None, min_batch=1)  # a native layer
     assert not layer._pool_prefill()

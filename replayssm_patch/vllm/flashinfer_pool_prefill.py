@@ -44,10 +44,12 @@ def flashinfer_takes_pool() -> bool:
     return {"state_indices", "output_state"} <= inspect.signature(chunk_gated_delta_rule).parameters.keys()
 
 
-def applies(platform: str, prefill_backend: str | None, version) -> bool:
+def applies(platform: str, prefill_backend: str | None, version, align: bool) -> bool:
     """A ring layer of `platform` with vLLM's `prefill_backend` runs its prefill on the pool in
-    vLLM `version` (a base version)."""
-    return (platform == "cuda" and prefill_backend == "flashinfer"
+    vLLM `version` (a base version). Not in align mode (`align`, prefix caching): there vLLM calls
+    FlashInfer itself, on gathered states, for every prefill step that writes checkpoints, and the
+    memory profile must hold that step."""
+    return (platform == "cuda" and prefill_backend == "flashinfer" and not align
             and version in versions.FLASHINFER_POOL_PREFILL_VALIDATED and flashinfer_takes_pool())
 
 

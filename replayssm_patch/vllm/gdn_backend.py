@@ -89,13 +89,13 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.ring_force_flush = torch.zeros(rows, dtype=torch.int8, device=device)
         self.ring_start_empty = torch.zeros(rows, dtype=torch.int8, device=device)
         self.align = vllm_config.cache_config.mamba_cache_mode == "align"
+        self.pool_prefill = flashinfer_pool_prefill.applies(  # as the ring layers (gdn_layer._pool_prefill)
+            plan.platform, getattr(self, "gdn_prefill_backend", None), versions.installed_base_version(), self.align)
         self.block_size = kv_cache_spec.block_size
         self.min_batch = plan.min_batch
         self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
         self._prefill_groups = None  # this build's, from _build_chunk_metadata
         self.groups_prefill = plan.platform == "cuda"  # as the ring layers (gdn_layer._groups_prefill)
-        self.pool_prefill = flashinfer_pool_prefill.applies(  # as the ring layers (gdn_layer._pool_prefill)
-            plan.platform, getattr(self, "gdn_prefill_backend", None), versions.installed_base_version())
         metadata_reuse.opt_in(self, vllm_config, device)
         STATE.publish_stats_in_background(worker_counters.PUBLISH_SECONDS)  # once per worker process
 
@@ -106,7 +106,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                            num_decode_draft_tokens_cpu, fast_build)
         STATE.log_stats_every(STATS_LOG_SECONDS)
         extra = self._ring_fields(common_attn_metadata, md)
-        if self._prefill_on_pool(md):
+        if self.pool_prefill and md.num_prefills:
             self._prefill_groups = ()
         if self._prefill_groups is not None:  # the layers' op gathers and scatters the states (or runs on the pool)
             step = prefill_groups.StepGroups(self._prefill_groups, md.prefill_state_indices, md.prefill_has_initial_state)
@@ -121,11 +121,6 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         elif md.num_spec_decodes:  # cannot happen: spec rows exist only with a speculative config
             raise RuntimeError("GDN ring builder: speculative rows without a speculative config")
         return ReplayGDNAttentionMetadata(**({f.name: getattr(md, f.name) for f in fields(md)} | extra))
-
-    def _prefill_on_pool(self, md) -> bool:
-        """The ring layers run this step's prefill on the state pool (flashinfer_pool_prefill):
-        unless vLLM calls FlashInfer itself (align mode's checkpoint plan, every row gathered)."""
-        return self.pool_prefill and md.num_prefills > 0 and getattr(md, "flashinfer_checkpoint_plan", None) is None
 
     def _build_chunk_metadata(self, prefill_query_start_loc, prefill_query_start_loc_cpu, device):
         """vLLM's chunk metadata for the step's prefill (vLLM >= 0.33 calls this from build), and,

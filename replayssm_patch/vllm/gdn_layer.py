@@ -93,10 +93,12 @@ class ReplayQwenGDN(QwenGatedDeltaNetAttention):
 
     def _pool_prefill(self) -> bool:
         """Whether this layer runs FlashInfer's prefill on its state pool in place
-        (flashinfer_pool_prefill): on the ring, with vLLM's FlashInfer prefill op, where a GPU run
-        validated it."""
+        (flashinfer_pool_prefill): on the ring, with vLLM's FlashInfer prefill op, prefix caching
+        off, where a GPU run validated it."""
+        align = getattr(self.ring_cache_config, "mamba_cache_mode", "none") == "align"
         return self.ring_plan.serves and flashinfer_pool_prefill.applies(
-            self.ring_plan.platform, getattr(self, "gdn_prefill_backend", None), versions.installed_base_version())
+            self.ring_plan.platform, getattr(self, "gdn_prefill_backend", None), versions.installed_base_version(),
+            align)
 
     def _step_prefill_groups(self):
         """This step's prefill groups from the ring's metadata with the layer's state pool, or None."""
