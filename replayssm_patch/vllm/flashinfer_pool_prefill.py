@@ -16,7 +16,7 @@ wrapper does it: `exps_gate`).
 Whether the kernel then gives vLLM's bits: tests/gpu/test_flashinfer_pool_prefill_gpu.py. The
 releases where that passed are `versions.FLASHINFER_POOL_PREFILL_VALIDATED`; elsewhere, and
 where the installed FlashInfer lacks the pool form, vLLM's call runs. The module imports only
-torch and the package's versions (benchmarks use it alone).
+torch and the package's versions (the GPU test runs it without vLLM).
 """
 
 from __future__ import annotations
