@@ -91,8 +91,14 @@
 #   bash benchmarks/gpu_run.sh fipool          # issue 46 (after fiinstall; vLLM not needed: stage the two FlashInfer
 #     parts and .bundle/deps/apache_tvm_ffi-*.whl, which fiinstall installs beside FlashInfer where vLLM's deps are absent)
 #     tests/gpu/test_flashinfer_pool_prefill_gpu.py: FlashInfer's GDN prefill on a state pool by row against vLLM's
-#     gathered form, to $OUT/ktest_full.log. Where it passes, the release goes into
-#     versions.FLASHINFER_POOL_PREFILL_VALIDATED (the FlashInfer vLLM pins for it is the one tested).
+#     gathered form, to $OUT/ktest_full.log; then benchmarks/fi_pool_prefill_memory.py, one step's memory in each
+#     form at the 9B shape, to $OUT/fi_pool_prefill_memory.jsonl. With fipoolengine, what validates a release
+#     for versions.FLASHINFER_POOL_PREFILL_VALIDATED (the FlashInfer vLLM pins for it is the one tested).
+#   bash benchmarks/gpu_run.sh fipoolengine    # issue 46 (needs install and fiinstall; vLLM 0.33)
+#     tests/gpu/test_flashinfer_pool_prefill_engine_gpu.py: ring engines (plain decode, MTP T=3) whose layers run
+#     FlashInfer's prefill on the pool against native, FlashInfer prefill, prefix caching off, to
+#     $OUT/fipoolengine.log + the arms' logs. Where it and fipool pass, the release goes into
+#     versions.FLASHINFER_POOL_PREFILL_VALIDATED.
 #   bash benchmarks/gpu_run.sh alignsan        # issue 47 (needs install, fiinstall with vLLM 0.34): under
 #     compute-sanitizer memcheck, vLLM's FLA prefill alone at GDN head dim 64 and 128 (benchmarks/align_arm.py
 #     kernels, to $OUT/alignsan_kernels_dD.log), then the align test's patched arm alone at GDN head dim 64, where
@@ -330,7 +336,16 @@ raise SystemExit(1 if needs_quack and not u.find_spec('quack') else 0)" \
     copy_test_logs /tmp/alignmtp  # each prefill backend's arms
     exit $rc ;;
   fipool)  # issue 46 (see the header)
-    KTESTS=tests/gpu/test_flashinfer_pool_prefill_gpu.py bash benchmarks/gpu_run.sh ktest ;;
+    KTESTS=tests/gpu/test_flashinfer_pool_prefill_gpu.py bash benchmarks/gpu_run.sh ktest
+    for args in "--seqs 1024" "--seqs 256" "--seqs 1024 --state-dtype bfloat16"; do  # the package need not be installed
+      PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/fi_pool_prefill_memory.py $args
+    done | tee "$OUT/fi_pool_prefill_memory.jsonl" ;;
+  fipoolengine)  # issue 46 (see the header)
+    rc=0  # a failed test must not end the step (set -e) before its arms' logs are copied
+    python3 -m pytest -q -s -p no:cacheprovider --basetemp /tmp/fipoolengine \
+      tests/gpu/test_flashinfer_pool_prefill_engine_gpu.py 2>&1 | tee "$OUT/fipoolengine.log" | tail -15 || rc=$?
+    copy_test_logs /tmp/fipoolengine
+    exit $rc ;;
   alignsan)  # issue 47 (see the header)
     mkdir -p /tmp/alignsan; rc=0
     for d in 64 128; do  # vLLM's FLA prefill alone at GDN head dim 64 (where the align test stopped), then 128

@@ -68,8 +68,11 @@ ALIGN_MTP_CUDA_VALIDATED = (Version("0.33"), Version("0.34"))
 # the same beside vLLM's FlashInfer GDN prefill, which writes align-mode checkpoints inside a chunk
 # (benchmarks/results/vllm034/)
 ALIGN_MTP_FLASHINFER_PREFILL_VALIDATED = (Version("0.34"),)
-# a ring layer's FlashInfer GDN prefill on the state pool in place gave vLLM's call's bits on a GPU
-# in these releases (tests/gpu/test_flashinfer_pool_prefill_gpu.py); elsewhere vLLM's call runs
+# a ring layer's FlashInfer GDN prefill on the state pool in place gave vLLM's call's bits and
+# vLLM's tokens on a GPU in these releases (tests/gpu/test_flashinfer_pool_prefill_gpu.py, the op;
+# test_flashinfer_pool_prefill_engine_gpu.py, the engine); elsewhere vLLM's call runs. Only 0.33 can
+# be: from 0.34 vLLM's layer calls FlashInfer itself (_forward_flashinfer_prefill), not through the
+# layer's op the form wraps
 FLASHINFER_POOL_PREFILL_VALIDATED: tuple[Version, ...] = ()
 CPU_OPS_VERSION = Version("0.34")  # the CPU build's kernel wrappers moved from vllm._custom_ops to vllm._cpu_ops
 

@@ -9,6 +9,9 @@ process (`python -m replayssm_patch.testing.engine_runner SPEC.json`). The spec:
      "cursor_per_bind": bool (optional, in process only: every bind gets a fresh cursor, as the
                        layer did before it kept the cursor across vLLM 0.34's rebind; a test
                        shows that this breaks CUDA graphs captured before the rebind),
+     "pool_prefill_unvalidated": bool (optional, in process only: ring layers run FlashInfer's
+                       prefill on the state pool in this release before a GPU run validated it,
+                       which is what the run that validates it needs: vllm.flashinfer_pool_prefill),
      "engines": [{"name": str, "engine": {LLM kwargs}, "scenario": "batch" | "staggered",
                   "prompts": [[token ids] | {"ids": [...], "image_seed": int}...],
                   "max_tokens": [int...],
@@ -260,6 +263,15 @@ def _fresh_cursor_at_every_bind() -> None:
     ReplayQwenGDN._cursor_for = fresh_cursor
 
 
+def _pool_prefill_in_this_release() -> None:
+    """The spec's `pool_prefill_unvalidated`: set in this process, so the engine must run in it too."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        raise RuntimeError("pool_prefill_unvalidated needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    from replayssm_patch import versions
+
+    versions.FLASHINFER_POOL_PREFILL_VALIDATED += (versions.installed_base_version(),)
+
+
 def main(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     if spec["patched"] and spec.get("via", "patch") == "patch":
@@ -273,6 +285,8 @@ def main(spec_path: str) -> None:
         assert report["applied"], report
     if spec.get("cursor_per_bind"):
         _fresh_cursor_at_every_bind()
+    if spec.get("pool_prefill_unvalidated"):
+        _pool_prefill_in_this_release()
     from vllm import LLM, SamplingParams
 
     results = {}

@@ -255,7 +255,7 @@ POINTS = (
                                                "chunk_indices", "chunk_offsets"])))),
     PatchPoint(
         "wrap", QWEN_GDN_MODULE, f"{LAYER_CLASS}.chunk_gated_delta_rule (FlashInfer prefill op)",
-        "replayssm_patch.vllm.flashinfer_pool_prefill:PoolPrefillOp", platform="cuda", vllm_versions=">=0.33",
+        "replayssm_patch.vllm.flashinfer_pool_prefill:PoolPrefillOp", platform="cuda", vllm_versions="~=0.33.0",
         what="a ring layer's FlashInfer prefill op reads and writes the step's states in the state pool by row",
         why="vLLM's layer gathers every prefill sequence's state and FlashInfer returns their final states in a "
             "new fp32 tensor; the ring engine's memory profile holds that step back from the KV cache",
