@@ -254,19 +254,23 @@ def fresh_cursor(layer, pages):
     return cursor, False
 
 
-def _fresh_cursor_at_every_bind() -> None:
-    """The spec's `cursor_per_bind`: patched in this process, so the engine must run in it too."""
+def _require_engine_in_process(key: str) -> None:
+    """The spec's `key` changes the package in this process, so the engine must run in it too."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
-        raise RuntimeError("cursor_per_bind needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        raise RuntimeError(f"{key} needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+
+
+def _fresh_cursor_at_every_bind() -> None:
+    """The spec's `cursor_per_bind`: every bind gets a fresh cursor (fresh_cursor)."""
+    _require_engine_in_process("cursor_per_bind")
     from replayssm_patch.vllm.gdn_layer import ReplayQwenGDN
 
     ReplayQwenGDN._cursor_for = fresh_cursor
 
 
 def _pool_prefill_in_this_release() -> None:
-    """The spec's `pool_prefill_unvalidated`: set in this process, so the engine must run in it too."""
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
-        raise RuntimeError("pool_prefill_unvalidated needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    """The spec's `pool_prefill_unvalidated`: this release counts as validated for the pool form."""
+    _require_engine_in_process("pool_prefill_unvalidated")
     from replayssm_patch import versions
 
     versions.FLASHINFER_POOL_PREFILL_VALIDATED += (versions.installed_base_version(),)

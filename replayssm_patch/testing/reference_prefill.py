@@ -11,6 +11,23 @@ import torch
 from ..ops import gdn_reference
 
 
+def per_sequence(q, k, v, log_g, beta, cu_seqlens, initial_states):
+    """Each sequence of `cu_seqlens` through the float64 reference recurrence from its entry of
+    `initial_states` ([HV, V, K] each), inputs [tokens, heads, dim] ([tokens, HV] for the log decay
+    and beta), the key heads repeated per value head; returns (the outputs [tokens, HV, V], the
+    final states)."""
+    group = v.shape[1] // q.shape[1]
+    qe, ke = (x.double().repeat_interleave(group, dim=1) for x in (q, k))  # key heads per value head
+    outs, finals = [], []
+    for n, h0 in enumerate(initial_states):
+        t0, t1 = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        o, h = gdn_reference.recurrent_sequence_reference(
+            qe[t0:t1], ke[t0:t1], v[t0:t1].double(), log_g[t0:t1].double(), beta[t0:t1].double(), h0.double())
+        outs.append(o)
+        finals.append(h)
+    return torch.cat(outs), finals
+
+
 class ReferencePrefill:
     def __init__(self):
         self.calls = []
@@ -21,17 +38,8 @@ class ReferencePrefill:
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens.clone(),
                                l2norm=use_qk_l2norm_in_kernel, chunk_indices=chunk_indices,
                                chunk_offsets=chunk_offsets))
-        group = v.shape[2] // q.shape[2]
-        qe, ke = (x[0].double().repeat_interleave(group, dim=1) for x in (q, k))  # key heads per value head
-        outs, finals = [], []
-        for n in range(initial_state.shape[0]):
-            t0, t1 = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
-            o, h = gdn_reference.recurrent_sequence_reference(
-                qe[t0:t1], ke[t0:t1], v[0, t0:t1].double(), g[0, t0:t1].double(), beta[0, t0:t1].double(),
-                initial_state[n].double())
-            outs.append(o)
-            finals.append(h)
-        return torch.cat(outs)[None].to(v.dtype), torch.stack(finals).float()
+        outs, finals = per_sequence(q[0], k[0], v[0], g[0], beta[0], cu_seqlens, initial_state.unbind(0))
+        return outs[None].to(v.dtype), torch.stack(finals).float()
 
 
 class ReferenceFlashInferPrefill:
@@ -50,17 +58,8 @@ class ReferenceFlashInferPrefill:
                                state_indices=state_indices, cu_seqlens=cu_seqlens.clone(), backend=backend,
                                unused=unused))
         rows = range(cu_seqlens.shape[0] - 1) if state_indices is None else state_indices.tolist()
-        group = v.shape[1] // q.shape[1]
-        qe, ke = (x.double().repeat_interleave(group, dim=1) for x in (q, k))
-        outs, finals = [], []
-        for n, row in enumerate(rows):
-            t0, t1 = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
-            o, h = gdn_reference.recurrent_sequence_reference(
-                qe[t0:t1], ke[t0:t1], v[t0:t1].double(), torch.log(g[t0:t1].double()), beta[t0:t1].double(),
-                initial_state[row].double())
-            outs.append(o)
-            finals.append(h)
-        out = torch.cat(outs).to(v.dtype)
+        outs, finals = per_sequence(q, k, v, torch.log(g.double()), beta, cu_seqlens, [initial_state[r] for r in rows])
+        out = outs.to(v.dtype)
         if state_indices is None:
             return out, torch.stack(finals).float()
         for row, h in zip(rows, finals):  # every sequence read its row before any is written

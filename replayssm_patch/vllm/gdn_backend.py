@@ -94,7 +94,7 @@ class ReplayGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.block_size = kv_cache_spec.block_size
         self.min_batch = plan.min_batch
         self._last_ring_decode: bool | None = None  # the previous decode step's dispatch (counters)
-        self._prefill_groups = None  # this build's, from _build_chunk_metadata
+        self._prefill_groups = None  # this build's: from _build_chunk_metadata, or () for the pool form (build)
         self.groups_prefill = plan.platform == "cuda"  # as the ring layers (gdn_layer._groups_prefill)
         metadata_reuse.opt_in(self, vllm_config, device)
         STATE.publish_stats_in_background(worker_counters.PUBLISH_SECONDS)  # once per worker process
